@@ -1,0 +1,67 @@
+"""Shared defaults for every config. Each config file calls get_config() here and states only its differences.
+
+Defaults follow the SAGE reference implementation (IMPLEMENTATION_FACTS.md): beta 0.05, k3 anchor with log q on the
+reference, lr 5e-6 constant, weight decay 0.01, clip 0.2, 8 rollouts per prompt, temperature 1.0, min_p 0.01,
+GRPO aggregation (token mean within a sequence, then mean over sequences), 1000 steps.
+"""
+
+import ml_collections
+
+from sage_jax import sharding
+
+
+def get_config(arg=None):
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    # Model: an HF directory (path), else a random-init preset with optional size overrides (0 = keep the preset's).
+    c.model = ml_collections.ConfigDict(dict(
+        path="", preset="", vocab_size=0, hidden_size=0, num_layers=0, num_heads=0, num_kv_heads=0,
+        intermediate_size=0, param_dtype="float32", compute_dtype="bfloat16", remat=False, scan_layers=True,
+        logits_chunk=512, ref_dtype="bfloat16"))
+    c.tokenizer_path = ""  # defaults to model.path
+
+    c.mesh = ml_collections.ConfigDict(dict(shape=(1, -1, 1)))
+    c.mesh.rules = ml_collections.ConfigDict({k: v for k, v in sharding.DEFAULT_RULES.items()})
+
+    # Data: task is "math", "kk" or "countdown". train/eval name shared data sets (see sage_jax.data.loaders).
+    c.data = ml_collections.ConfigDict(dict(
+        task="math", train="math_train_l3to5", eval="math500", data_dir="", template="qwen_math_boxed",
+        problem_field="", answer_field="", max_prompt_len=2048, eval_problems=0,
+        # countdown / kk generators
+        num_train=2000, num_eval=200, num_numbers=3, max_number=15, ood_num_numbers=4, kk_people=(3, 4, 5),
+        kk_ood_people=(6, 7)))
+
+    c.rollout = ml_collections.ConfigDict(dict(
+        prompts_per_step=64, group_size=8, temperature=1.0, top_p=1.0, top_k=0, min_p=0.01, max_new_tokens=6144))
+
+    c.loss = ml_collections.ConfigDict(dict(
+        kl_estimator="k3", beta=0.05, kl_in_reward=False,
+        guide="none", gamma=0.3, tau=1.2, q_min=0.6, q_max=1.4,
+        random_eps=0.1, random_eps_end=0.0, random_std=0.15, random_std_end=0.05,
+        token_alpha=0.3, token_alpha_end=0.1, token_sigma=0.25, token_sigma_end=0.1, token_norm="minmax",
+        token_quantiles=(0.05, 0.95), schedule_cycles=8, schedule_decay=0.9,
+        eps_low=0.2, eps_high=0.2, dual_clip=0.0, tis_cap=0.0,
+        aggregation="seq-mean-token-mean", mask_truncated=False,
+        adv_scale="group", adv_eps=1e-6, std_ddof=0, adv_estimator="grpo"))
+
+    c.optim = ml_collections.ConfigDict(dict(
+        lr=5e-6, schedule="constant", warmup_steps=0, weight_decay=0.01, grad_clip=1.0, b1=0.9, b2=0.999,
+        eps=1e-8, num_iterations=1, mini_batches=1, grad_accum=1))
+
+    c.train = ml_collections.ConfigDict(dict(
+        steps=1000, log_every=1, ckpt_every=50, keep_ckpts=3, eval_every=100, sample_every=10, export_hf=True,
+        reward="math", reward_workers=8, reward_timeout=10.0,
+        dynamic_sampling=False, max_resample=3, overlong_buffer=0, overlong_penalty=1.0,
+        use_tensorboard=True, use_wandb=False, progress=True))
+
+    c.eval = ml_collections.ConfigDict(dict(
+        n=16, ks=(1, 4, 16), problems=0, temperature=1.0, top_p=1.0, min_p=0.0, max_new_tokens=0,
+        at_start=True, at_end=True))
+
+    # Supervised warm-start before RL (0 steps = none). data: "countdown" demos or a jsonl with prompt/completion.
+    c.sft = ml_collections.ConfigDict(dict(
+        steps=0, lr=1e-3, warmup_steps=20, batch_size=64, data="countdown", prompt_field="prompt",
+        completion_field="completion", mode_weights=ml_collections.ConfigDict(
+            dict(mul=0.7, add=0.2, sub=0.07, div=0.03)), num_demos=4000))
+    return c

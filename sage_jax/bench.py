@@ -1,0 +1,139 @@
+"""Benchmarks, one function per mode.
+
+  python -m sage_jax.bench sampler --preset both --dtype fp32 --batch 64
+  python -m sage_jax.bench all
+
+`sampler`: this sampler's tokens/s against transformers' `generate` (torch, CPU) on the same random weights, batch,
+prompt length and forced number of new tokens (greedy, EOS ignored). Warm-up runs are excluded; each number is the
+median of `--repeats` runs, ours and theirs interleaved so load from other processes hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+MODES: dict[str, Callable[[argparse.Namespace], list[dict]]] = {}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def register(name: str):
+    def wrap(fn):
+        MODES[name] = fn
+        return fn
+    return wrap
+
+
+def _median_seconds(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    for fn in fns.values():  # warm-up: compilation, caches, thread pools
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+# --------------------------------------------------------------------------------------------------- sampler
+
+def _hf_generate_fn(model_dir: str, dtype: str, prompts_BxT: np.ndarray, new_tokens: int) -> Callable[[], None]:
+    import torch
+    import transformers
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, DTYPES[dtype])).eval()
+    ids = torch.as_tensor(prompts_BxT, dtype=torch.long)
+    mask = torch.ones_like(ids)
+
+    def run():
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                              min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None)
+        assert out.shape[1] == prompts_BxT.shape[1] + new_tokens
+    return run
+
+
+def _sage_generate_fn(cfg, params, prompts_BxT: np.ndarray, new_tokens: int) -> Callable[[], None]:
+    from sage_jax import sampler
+    prompts = prompts_BxT.tolist()
+
+    def run():
+        out = sampler.generate(cfg, params, prompts, max_new_tokens=new_tokens, temperature=0.0, eos_ids=())
+        jax.block_until_ready(out)
+    return run
+
+
+def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 64, prompt_len: int = 32,
+                  new_tokens: int = 128, repeats: int = 3, latency: bool = True, seed: int = 0) -> list[dict]:
+    """Rows of {preset, batch, impl, tokens_per_s, seconds}; also prints a table with the ratios last."""
+    from sage_jax import model, sampler
+
+    rows = []
+    for name in presets:
+        cfg = model.preset(name, param_dtype=DTYPES[dtype], compute_dtype=DTYPES[dtype], eos_token_ids=())
+        params = jax.jit(model.init_params, static_argnums=0)(cfg, jax.random.key(seed))
+        rng = np.random.default_rng(seed)
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_hf(tmp, cfg, params)
+            for b in ([batch, 1] if latency and batch != 1 else [batch]):
+                prompts = rng.integers(1, cfg.vocab_size, (b, prompt_len))
+                fns = {"sage_jax": _sage_generate_fn(cfg, params, prompts, new_tokens),
+                       "transformers": _hf_generate_fn(tmp, dtype, prompts, new_tokens)}
+                compiled_before = sampler.compile_count()
+                seconds = _median_seconds(fns, repeats)
+                for impl, s in seconds.items():
+                    rows.append(dict(preset=name, dtype=dtype, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
+                                     impl=impl, seconds=s, tokens_per_s=b * new_tokens / s,
+                                     ms_per_step=1e3 * s / new_tokens))
+                rows[-2]["programs_compiled"] = sampler.compile_count() - compiled_before
+    _print_sampler_table(rows)
+    return rows
+
+
+def _print_sampler_table(rows: list[dict]) -> None:
+    print(f"\n{'preset':8} {'dtype':5} {'batch':>5} {'impl':13} {'tok/s':>10} {'ms/step':>9} {'s/run':>8}")
+    for r in rows:
+        print(f"{r['preset']:8} {r['dtype']:5} {r['batch']:>5} {r['impl']:13} {r['tokens_per_s']:>10.1f} "
+              f"{r['ms_per_step']:>9.2f} {r['seconds']:>8.3f}")
+    print("\nratio sage_jax / transformers tokens/s:")
+    by_key: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        by_key.setdefault((r["preset"], r["dtype"], r["batch"]), {})[r["impl"]] = r["tokens_per_s"]
+    for (preset, dtype, batch), v in by_key.items():
+        print(f"  {preset:8} {dtype:5} batch {batch:>3}: {v['sage_jax'] / v['transformers']:.2f}x")
+
+
+@register("sampler")
+def _sampler_mode(args: argparse.Namespace) -> list[dict]:
+    presets = ("tiny", "small") if args.preset == "both" else (args.preset,)
+    return bench_sampler(presets, args.dtype, args.batch, args.prompt_len, args.new_tokens, args.repeats)
+
+
+# --------------------------------------------------------------------------------------------------- entry point
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m sage_jax.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("mode", choices=[*MODES, "all"])
+    parser.add_argument("--preset", default="both", choices=["tiny", "small", "both"])
+    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    for mode in (MODES if args.mode == "all" else [args.mode]):
+        print(f"== {mode}")
+        MODES[mode](args)
+
+
+if __name__ == "__main__":
+    main()

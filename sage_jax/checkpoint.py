@@ -1,0 +1,193 @@
+"""Train-state checkpoints under WORKDIR/checkpoints/<step> (orbax), a JSON sidecar, and fallback past corrupt steps.
+
+Each step directory holds two items: `state` (the sharded array pytree: params, opt_state, step) and `meta` (a JSON
+dict: data position, rng key data, config snapshot, ...). Orbax writes into a temporary directory and renames it
+when complete, so a crash mid-save leaves only a tmp directory that never counts as a step. Arrays are written by
+every process (each its own shards); the JSON item is written by the primary process only (orbax's JsonSave).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging as pylogging
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+log = pylogging.getLogger(__name__)
+
+_ITEMS = ("state", "meta")
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint in the workdir could be restored."""
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, (np.ndarray, jax.Array)):
+        return np.asarray(x).tolist()
+    if isinstance(x, np.generic):
+        return x.item()
+    if hasattr(x, "to_dict"):  # ml_collections.ConfigDict
+        return x.to_dict()
+    if isinstance(x, (set, frozenset)):
+        return sorted(x)
+    raise TypeError(f"{type(x).__name__} is not JSON-serialisable")
+
+
+def _jsonable(meta: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return json.loads(json.dumps(meta, default=_json_default))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"checkpoint meta must be JSON-serialisable (numbers, strings, lists, dicts): {e}; "
+                         f"convert that value before calling save") from e
+
+
+def _as_abstract(x: Any) -> Any:
+    """Target leaf for restore: keep ShapeDtypeStruct shardings; give unsharded leaves the first local device."""
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        sharding = getattr(x, "sharding", None) or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return x
+
+
+def _all_processes(ok: bool) -> bool:
+    """True only if every process succeeded, so all of them restore the same step."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+    return bool(np.all(multihost_utils.process_allgather(np.array([ok]))))
+
+
+# Files orbax 0.12 writes in every step; only used to explain a failure, never to decide one.
+_EXPECTED_FILES = ("state/_METADATA", "state/manifest.ocdbt", "meta/metadata")
+
+
+def _reason(e: BaseException, step_dir: epath.Path) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    reason = f"{type(e).__name__}: {first[:300]}"
+    try:
+        missing = [f for f in _EXPECTED_FILES if not (step_dir / f).exists()]
+    except OSError:
+        missing = []
+    return f"{reason}; missing {', '.join(missing)}" if missing else reason
+
+
+class Checkpointer:
+    """Save / restore the train state; keeps the newest `keep` steps.
+
+    Every process must call save/restore (array writes and reads are collective across hosts).
+    """
+
+    def __init__(self, workdir: str | os.PathLike, keep: int = 3, async_save: bool = False):
+        if keep < 1:
+            raise ValueError(f"keep={keep}: must keep at least one checkpoint")
+        self.workdir = str(workdir)
+        self.directory = epath.Path(workdir) / "checkpoints"
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep,
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,  # leftovers of a crashed save
+            create=True,
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
+
+    # -- saving -------------------------------------------------------------------------------------------------
+    def save(self, step: int, state: Any, meta: dict[str, Any] | None = None, force: bool = False) -> bool:
+        """Write `state` and `meta` as checkpoint `step`; False if orbax skipped it (step not newer than latest).
+
+        With async_save the call returns once arrays are copied off the devices, so the caller may donate `state`
+        right after; call wait() before reading the files.
+        """
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                  meta=ocp.args.JsonSave(_jsonable(dict(meta or {}))))
+        return bool(self._manager.save(int(step), args=args, force=force))
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    # -- listing ------------------------------------------------------------------------------------------------
+    def all_steps(self) -> list[int]:
+        return sorted(int(s) for s in self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # -- restoring ----------------------------------------------------------------------------------------------
+    def _restore_step(self, step: int, abstract_state: Any) -> tuple[int, Any, dict[str, Any]]:
+        target = jax.tree.map(_as_abstract, abstract_state)
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore())
+        restored = self._manager.restore(step, args=args)
+        meta = restored.meta
+        if not isinstance(meta, dict):
+            raise ValueError(f"meta item is {type(meta).__name__}, expected a JSON object")
+        return step, restored.state, meta
+
+    def restore(self, abstract_state: Any, step: int | None = None) -> tuple[int, Any, dict[str, Any]] | None:
+        """(step, state, meta) with arrays placed on the shardings of `abstract_state`; None if there is nothing.
+
+        step=None: the newest readable step; a corrupt newer one is logged, moved to WORKDIR/checkpoints_corrupt/
+        (so later saves can reuse its step number) and skipped. An explicit step is restored or raises.
+        """
+        steps = self.all_steps()
+        if step is not None:
+            if int(step) not in steps:
+                raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; available steps: "
+                                        f"{steps or 'none'}")
+            try:
+                return self._restore_step(int(step), abstract_state)
+            except Exception as e:
+                raise CheckpointError(f"checkpoint step {step} in {self.directory} is unreadable "
+                                      f"({_reason(e, self.directory / str(step))})") from e
+        if not steps:
+            return None
+        failures: list[tuple[int, str]] = []
+        for s in reversed(steps):
+            result, reason = None, ""
+            try:
+                result = self._restore_step(s, abstract_state)
+            except Exception as e:  # any unreadable piece (missing file, bad json, tensorstore error) means skip it
+                reason = _reason(e, self.directory / str(s))
+            if _all_processes(result is not None):
+                if failures:
+                    self._quarantine([f for f, _ in failures])
+                return result
+            reason = reason or "unreadable on another process"
+            log.warning("checkpoint step %d in %s is unreadable (%s); trying an older one", s, self.directory, reason)
+            failures.append((s, reason))
+        tried = "; ".join(f"step {s}: {r}" for s, r in failures)
+        raise CheckpointError(f"no readable checkpoint in {self.directory} (workdir {self.workdir}); tried {tried}. "
+                              f"Move the checkpoints directory away to start fresh, or repair the files.")
+
+    def _quarantine(self, bad_steps: list[int]) -> None:
+        """Move corrupt steps out of the step listing; otherwise orbax skips saves at steps <= the corrupt one."""
+        corrupt_dir = epath.Path(self.workdir) / "checkpoints_corrupt"
+        if jax.process_index() == 0:
+            corrupt_dir.mkdir(parents=True, exist_ok=True)
+            stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+            for s in bad_steps:
+                dest = corrupt_dir / f"{s}-{stamp}"
+                (self.directory / str(s)).rename(dest)
+                log.warning("moved corrupt checkpoint step %d to %s", s, dest)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("sage_jax.checkpoint.quarantine")
+        self._manager.reload()
+
+
+def export_hf(workdir: str | os.PathLike, cfg: Any, params: Any) -> str:
+    """Write params as a Hugging Face model directory WORKDIR/hf_export; returns that path. Call on every process."""
+    from sage_jax import model
+    out = os.path.join(os.fspath(workdir), "hf_export")
+    model.save_hf(out, cfg, params)
+    return out

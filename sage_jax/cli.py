@@ -1,0 +1,52 @@
+"""Shared flag parsing and error reporting for the `python -m sage_jax.*` entry points."""
+
+from __future__ import annotations
+
+import argparse
+import logging as pylogging
+import os
+import sys
+import traceback
+from typing import Callable, Sequence
+
+# Errors a user can act on: print one line, no traceback (set SAGE_DEBUG=1 to see it).
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, KeyError)
+
+
+def parse(argv: Sequence[str] | None, description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None):
+    """--config path.py[:arg] --workdir DIR [--config.key=value ...] -> (config, args)."""
+    from sage_jax import config as config_lib
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides, rest = config_lib.split_config_flags(argv)
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", required=True, help="configs/NAME.py[:arg]")
+    parser.add_argument("--workdir", required=True, help="checkpoints, logs and results go here (resumes if present)")
+    if extra:
+        extra(parser)
+    args = parser.parse_args(rest)
+    return config_lib.load(args.config, overrides), args
+
+
+def main_guard(fn: Callable[[], int | None]) -> None:
+    """Run an entry point; user errors exit with one clear line instead of a traceback."""
+    from sage_jax import config as config_lib
+    from sage_jax.checkpoint import CheckpointError
+    from sage_jax.logging import NonFiniteLossError
+    try:
+        sys.exit(fn() or 0)
+    except KeyboardInterrupt:
+        print("\ninterrupted: rerun the same command to resume from the last checkpoint", file=sys.stderr)
+        sys.exit(130)
+    except (config_lib.ConfigError, NonFiniteLossError, CheckpointError, *USER_ERRORS) as e:
+        if os.environ.get("SAGE_DEBUG"):
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def setup_runtime(workdir: str) -> None:
+    from sage_jax import sharding
+    from sage_jax import logging as slog
+    sharding.initialize_distributed()
+    os.makedirs(workdir, exist_ok=True)
+    slog.setup_python_logging(workdir, pylogging.INFO)

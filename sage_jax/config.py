@@ -1,0 +1,109 @@
+"""Load `configs/NAME.py[:arg]` files (big_vision style) and apply `--config.a.b=value` overrides.
+
+Every config file defines `get_config(arg: str | None) -> ml_collections.ConfigDict`. The result is locked: setting a
+key that does not exist is an error naming the key, not a silent new field.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import sys
+from typing import Any, Sequence
+
+import ml_collections
+
+
+class ConfigError(ValueError):
+    """A config file or override the user can fix; the message says how."""
+
+
+def _repo_root_of(config_path: str) -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(config_path)))
+
+
+def load_file(spec: str) -> ml_collections.ConfigDict:
+    """`path/to/config.py` or `path/to/config.py:arg` -> locked ConfigDict."""
+    path, _, arg = spec.partition(":")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} not found (expected e.g. configs/cpu_demo.py)")
+    # Config files import their siblings as `from configs import base`.
+    root = _repo_root_of(path)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    module_name = "_sage_config_" + os.path.splitext(os.path.basename(path))[0]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {path} has no get_config(arg) function")
+    config = module.get_config(arg or None)
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ConfigError(f"{path}: get_config must return an ml_collections.ConfigDict")
+    config.lock()
+    return config
+
+
+def _parse_value(text: str, current: Any, key: str) -> Any:
+    if isinstance(current, bool):
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+        raise ConfigError(f"--config.{key}={text}: expected true or false")
+    if isinstance(current, int) and not isinstance(current, bool):
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(f"--config.{key}={text}: expected an integer") from None
+    if isinstance(current, float):
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"--config.{key}={text}: expected a number") from None
+    if isinstance(current, (tuple, list)):
+        try:
+            value = ast.literal_eval(text if text.strip().startswith(("(", "[")) else f"({text},)")
+        except (ValueError, SyntaxError):
+            raise ConfigError(f"--config.{key}={text}: expected a tuple such as 1,2,4") from None
+        return tuple(value)
+    if isinstance(current, str) or current is None:
+        return text
+    raise ConfigError(f"--config.{key}: cannot set a field of type {type(current).__name__} from the command line")
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str]) -> ml_collections.ConfigDict:
+    """Apply ["a.b=1", ...] (or "--config.a.b=1") to a locked config; unknown keys are errors."""
+    for item in overrides:
+        item = item.removeprefix("--").removeprefix("config.")
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ConfigError(f"override {item!r} must look like --config.key=value")
+        node = config
+        parts = key.split(".")
+        for i, part in enumerate(parts):
+            if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+                known = sorted(node.keys()) if isinstance(node, ml_collections.ConfigDict) else []
+                where = ".".join(parts[:i]) or "config"
+                raise ConfigError(f"unknown config key {key!r}: {where} has no field {part!r} "
+                                  f"(known: {', '.join(known)})")
+            if i < len(parts) - 1:
+                node = node[part]
+        leaf = parts[-1]
+        value = _parse_value(text, node[leaf], key)
+        with node.ignore_type():
+            node[leaf] = value
+    return config
+
+
+def load(spec: str, overrides: Sequence[str] = ()) -> ml_collections.ConfigDict:
+    return apply_overrides(load_file(spec), overrides)
+
+
+def split_config_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Separate `--config.x=y` overrides from the other flags."""
+    overrides, rest = [], []
+    for arg in argv:
+        (overrides if arg.startswith("--config.") else rest).append(arg)
+    return overrides, rest

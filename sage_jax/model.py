@@ -1,0 +1,349 @@
+"""Qwen2 / Llama decoder as pure functions over a params pytree.
+
+Layers are stacked along a leading axis. Training forwards scan over them (one compiled layer, optional remat);
+the KV-cache path loops in Python so each layer's cache is updated in place. Dtype policy: params in
+`param_dtype`, matmuls in `compute_dtype`, norms / softmax / logits in fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from sage_jax.sharding import constrain
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool = True
+    qkv_bias: bool = True
+    max_position_embeddings: int = 32768
+    architecture: str = "qwen2"  # "qwen2" | "llama" (weights differ only by the switches above)
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    remat: bool = False
+    scan_layers: bool = True
+    logits_chunk: int = 512
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        for name in ("param_dtype", "compute_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"{name}={getattr(self, name)!r}: use 'float32' or 'bfloat16'")
+
+    @property
+    def num_params(self) -> int:
+        d, f, v, l = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
+        qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = d * (qd + 2 * kd) + qd * d + 3 * d * f + 2 * d + (qd + 2 * kd) * self.qkv_bias
+        return v * d * (1 if self.tie_embeddings else 2) + l * per_layer + d
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def _qwen(v, d, l, h, kv, f, tied=True, theta=1e6, **kw) -> ModelConfig:
+    return ModelConfig(vocab_size=v, hidden_size=d, num_layers=l, num_heads=h, num_kv_heads=kv, head_dim=d // h,
+                       intermediate_size=f, tie_embeddings=tied, rope_theta=theta, **kw)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": _qwen(512, 128, 4, 4, 2, 384),
+    "small": _qwen(8192, 512, 8, 8, 2, 1536),
+    "qwen2.5-0.5b": _qwen(151936, 896, 24, 14, 2, 4864),
+    "qwen2.5-1.5b": _qwen(151936, 1536, 28, 12, 2, 8960),
+    "qwen2.5-3b": _qwen(151936, 2048, 36, 16, 2, 11008),
+    "qwen2.5-math-7b": _qwen(152064, 3584, 28, 28, 4, 18944, tied=False, theta=1e4),
+    "qwen2.5-7b": _qwen(152064, 3584, 28, 28, 4, 18944, tied=False),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name].replace(**overrides)
+
+
+# --------------------------------------------------------------------------------------------------- parameters
+
+def param_axes(cfg: ModelConfig) -> Params:
+    layers = {
+        "attn_norm": ("layers", "norm"),
+        "wq": ("layers", "embed", "heads", "head_dim"),
+        "wk": ("layers", "embed", "kv_heads", "head_dim"),
+        "wv": ("layers", "embed", "kv_heads", "head_dim"),
+        "wo": ("layers", "heads", "head_dim", "embed"),
+        "mlp_norm": ("layers", "norm"),
+        "w_gate": ("layers", "embed", "mlp"),
+        "w_up": ("layers", "embed", "mlp"),
+        "w_down": ("layers", "mlp", "embed"),
+    }
+    if cfg.qkv_bias:
+        layers |= {"bq": ("layers", "heads", "head_dim"), "bk": ("layers", "kv_heads", "head_dim"),
+                   "bv": ("layers", "kv_heads", "head_dim")}
+    axes = {"embed": ("vocab", "embed"), "final_norm": ("norm",), "layers": layers}
+    if not cfg.tie_embeddings:
+        axes["lm_head"] = ("embed", "vocab")
+    return axes
+
+
+def param_shapes(cfg: ModelConfig) -> Params:
+    L, D, H, KV, hd, F, V = (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                             cfg.intermediate_size, cfg.vocab_size)
+    layers = {"attn_norm": (L, D), "wq": (L, D, H, hd), "wk": (L, D, KV, hd), "wv": (L, D, KV, hd),
+              "wo": (L, H, hd, D), "mlp_norm": (L, D), "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D)}
+    if cfg.qkv_bias:
+        layers |= {"bq": (L, H, hd), "bk": (L, KV, hd), "bv": (L, KV, hd)}
+    shapes = {"embed": (V, D), "final_norm": (D,), "layers": layers}
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (D, V)
+    return shapes
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> Params:
+    """Random init (normal(std) weights, unit norms, zero biases), for tests, benchmarks and from-scratch runs."""
+    shapes = param_shapes(cfg)
+    flat, treedef = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(flat))
+    dtype = jnp.dtype(cfg.param_dtype)
+    leaves = []
+    for (path, shape), k in zip(flat, keys):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            leaves.append(jnp.ones(shape, dtype))
+        elif name.endswith("['bq']") or name.endswith("['bk']") or name.endswith("['bv']"):
+            leaves.append(jnp.zeros(shape, dtype))
+        else:
+            leaves.append((std * jax.random.normal(k, shape, jnp.float32)).astype(dtype))
+    return jax.tree.unflatten(treedef, leaves)
+
+
+# --------------------------------------------------------------------------------------------------- building blocks
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32.astype(x.dtype) * weight.astype(x.dtype))
+
+
+def rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
+    hd = x_BxTxNxH.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
+    angles = positions_BxT.astype(jnp.float32)[..., None] * inv_freq  # [B,T,hd/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BxTxNxH.dtype)
+
+
+def _attention(cfg: ModelConfig, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, allowed_BxTxS) -> jax.Array:
+    B, T, N, H = q_BxTxNxH.shape
+    K = cfg.num_kv_heads
+    q = q_BxTxNxH.reshape(B, T, K, N // K, H)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k_BxSxKxH, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(H)
+    scores = jnp.where(allowed_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxH.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH)
+    return out.reshape(B, T, N, H)
+
+
+def _block(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, allowed_BxTxS, kv_cache=None, cache_index=None):
+    """One decoder layer. With kv_cache=(k, v) [B,S,K,H], writes this step's keys at cache_index."""
+    cdt = jnp.dtype(cfg.compute_dtype)
+    w = lambda name: lp[name].astype(cdt)
+    h = rms_norm(x_BxTxD, lp["attn_norm"], cfg.rms_norm_eps)
+    q = jnp.einsum("btd,dnh->btnh", h, w("wq"))
+    k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
+    v = jnp.einsum("btd,dkh->btkh", h, w("wv"))
+    if cfg.qkv_bias:
+        q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
+    q = constrain(q, ("batch", "seq", "heads", "head_dim"))
+    q, k = rope(q, positions_BxT, cfg.rope_theta), rope(k, positions_BxT, cfg.rope_theta)
+    if kv_cache is not None:
+        k_cache, v_cache = kv_cache
+        k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), cache_index, axis=1)
+        v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), cache_index, axis=1)
+        k, v, kv_cache = k_cache.astype(cdt), v_cache.astype(cdt), (k_cache, v_cache)
+    attn = _attention(cfg, q, k, v, allowed_BxTxS)
+    x_BxTxD = x_BxTxD + jnp.einsum("btnh,nhd->btd", attn, w("wo"))
+    x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "act_embed"))
+    h = rms_norm(x_BxTxD, lp["mlp_norm"], cfg.rms_norm_eps)
+    gate = jnp.einsum("btd,df->btf", h, w("w_gate"))
+    up = jnp.einsum("btd,df->btf", h, w("w_up"))
+    mlp = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+    x_BxTxD = x_BxTxD + jnp.einsum("btf,fd->btd", mlp, w("w_down"))
+    return constrain(x_BxTxD, ("batch", "seq", "act_embed")), kv_cache
+
+
+def default_positions(mask_BxT: jax.Array) -> jax.Array:
+    """Positions for left-padded rows: 0 at the first real token."""
+    return jnp.maximum(jnp.cumsum(mask_BxT.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+def _embed(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array) -> jax.Array:
+    x = jnp.take(params["embed"], tokens_BxT, axis=0).astype(jnp.dtype(cfg.compute_dtype))
+    return constrain(x, ("batch", "seq", "act_embed"))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def hidden(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None,
+           mask_BxT: jax.Array | None = None) -> jax.Array:
+    """Final-normed hidden states [B, T, D] (compute dtype)."""
+    B, T = tokens_BxT.shape
+    mask_BxT = jnp.ones((B, T), jnp.bool_) if mask_BxT is None else mask_BxT.astype(jnp.bool_)
+    positions_BxT = default_positions(mask_BxT) if positions_BxT is None else positions_BxT
+    causal_TxT = jnp.tril(jnp.ones((T, T), jnp.bool_))
+    # A padded query row attends to itself only, so its softmax stays finite (its output is ignored).
+    allowed = (causal_TxT[None] & mask_BxT[:, None, :]) | jnp.eye(T, dtype=jnp.bool_)[None]
+    x = _embed(cfg, params, tokens_BxT)
+
+    def layer(x, lp):
+        return _block(cfg, lp, x, positions_BxT, allowed)[0], None
+
+    if cfg.remat:
+        layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable)
+    if cfg.scan_layers:
+        x, _ = jax.lax.scan(layer, x, params["layers"])
+    else:
+        for i in range(cfg.num_layers):
+            x, _ = layer(x, jax.tree.map(lambda a: a[i], params["layers"]))
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
+def unembed_matrix(cfg: ModelConfig, params: Params) -> jax.Array:
+    """[D, V] in the compute dtype."""
+    w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    return w.astype(jnp.dtype(cfg.compute_dtype))
+
+
+def logits_from_hidden(cfg: ModelConfig, params: Params, h_BxTxD: jax.Array) -> jax.Array:
+    logits = jnp.einsum("btd,dv->btv", h_BxTxD, unembed_matrix(cfg, params), preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "seq", "vocab"))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def forward(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None,
+            mask_BxT: jax.Array | None = None) -> jax.Array:
+    """tokens int32 [B, T] -> logits float32 [B, T, V]. Materialises all logits: use logprobs_and_entropy for RL."""
+    return logits_from_hidden(cfg, params, hidden(cfg, params, tokens_BxT, positions_BxT, mask_BxT))
+
+
+# --------------------------------------------------------------------------------------------------- log-probs
+
+def logprobs_entropy_from_hidden(cfg: ModelConfig, params: Params, h_BxSxD: jax.Array, targets_BxS: jax.Array,
+                                 temperature: float = 1.0, chunk: int | None = None):
+    """log p(target) and entropy of softmax(logits / temperature), `chunk` positions at a time.
+
+    Each chunk's [B, chunk, V] logits are recomputed in the backward pass (jax.checkpoint), so neither pass holds
+    the whole [B, S, V] in fp32 at once.
+    """
+    B, S, D = h_BxSxD.shape
+    chunk = min(chunk or cfg.logits_chunk, S)
+    n_chunks = -(-S // chunk)
+    pad = n_chunks * chunk - S
+    h = jnp.pad(h_BxSxD, ((0, 0), (0, pad), (0, 0)))
+    t = jnp.pad(targets_BxS, ((0, 0), (0, pad)))
+    h_CxBxLxD = h.reshape(B, n_chunks, chunk, D).swapaxes(0, 1)
+    t_CxBxL = t.reshape(B, n_chunks, chunk).swapaxes(0, 1)
+    w_DxV = unembed_matrix(cfg, params)
+    inv_temp = 1.0 / temperature
+
+    @jax.checkpoint
+    def one_chunk(h_BxLxD, t_BxL):
+        logits = jnp.einsum("bld,dv->blv", h_BxLxD, w_DxV, preferred_element_type=jnp.float32) * inv_temp
+        logits = constrain(logits, ("batch", "seq", "vocab"))
+        logp_all = jax.nn.log_softmax(logits, axis=-1)
+        logp = jnp.take_along_axis(logp_all, t_BxL[..., None], axis=-1)[..., 0]
+        entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+        return logp, entropy
+
+    def body(carry, xs):
+        return carry, one_chunk(*xs)
+
+    _, (logp, ent) = jax.lax.scan(body, None, (h_CxBxLxD, t_CxBxL))
+    unchunk = lambda a: a.swapaxes(0, 1).reshape(B, n_chunks * chunk)[:, :S]
+    return unchunk(logp), unchunk(ent)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("temperature", "start", "length", "chunk"))
+def logprobs_and_entropy(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, targets_BxT: jax.Array,
+                         positions_BxT: jax.Array | None = None, mask_BxT: jax.Array | None = None,
+                         temperature: float = 1.0, start: int = 0, length: int | None = None,
+                         chunk: int | None = None):
+    """Per-position log p(targets[t] | tokens[:t+1]) and next-token entropy, for t in [start, start + length)."""
+    h = hidden(cfg, params, tokens_BxT, positions_BxT, mask_BxT)
+    end = h.shape[1] if length is None else start + length
+    return logprobs_entropy_from_hidden(cfg, params, h[:, start:end], targets_BxT[:, start:end], temperature, chunk)
+
+
+# --------------------------------------------------------------------------------------------------- KV cache
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> list[tuple[jax.Array, ...]]:
+    """One (k, v) pair per layer, each [B, max_len, KV, hd]."""
+    dt = jnp.dtype(dtype or cfg.compute_dtype)
+    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return [(jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(cfg.num_layers)]
+
+
+def cache_axes() -> tuple[str, ...]:
+    return ("batch", "cache_seq", "kv_heads", "head_dim")
+
+
+def forward_with_cache(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array,
+                       cache: list, cache_index: jax.Array, kv_mask_BxS: jax.Array, return_hidden: bool = False):
+    """Run T new tokens written at cache slots [cache_index, cache_index + T).
+
+    kv_mask_BxS marks which cache slots hold real tokens (after this step's tokens are added); query t may attend to
+    slot s when kv_mask[b, s] and s <= cache_index + t. Returns (logits [B,T,V] fp32 or hidden, new cache).
+    """
+    B, T = tokens_BxT.shape
+    S = cache[0][0].shape[1]
+    slots_S = jnp.arange(S)
+    query_slots_T = cache_index + jnp.arange(T)
+    allowed = (slots_S[None, None, :] <= query_slots_T[None, :, None]) & kv_mask_BxS[:, None, :].astype(jnp.bool_)
+    allowed = allowed | (slots_S[None, None, :] == query_slots_T[None, :, None])
+    x = _embed(cfg, params, tokens_BxT)
+    new_cache = []
+    for i in range(cfg.num_layers):
+        lp = jax.tree.map(lambda a: a[i], params["layers"])
+        x, kv = _block(cfg, lp, x, positions_BxT, allowed, kv_cache=cache[i], cache_index=cache_index)
+        new_cache.append(kv)
+    h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    if return_hidden:
+        return h, new_cache
+    return logits_from_hidden(cfg, params, h), new_cache
+
+
+# Re-exported so `model.load_hf` / `model.save_hf` are the public entry points for checkpoints.
+def load_hf(path, dtype=jnp.float32, mesh=None, rules=None):
+    from sage_jax import hf_io
+    return hf_io.load_hf(path, dtype=dtype, mesh=mesh, rules=rules)
+
+
+def save_hf(out_dir, cfg: ModelConfig, params: Params, **kw) -> None:
+    from sage_jax import hf_io
+    return hf_io.save_hf(out_dir, cfg, params, **kw)

@@ -1,0 +1,280 @@
+"""RL objective: group advantages, KL estimators against the SAGE anchor m = q * pi_ref, clipped surrogate, loss_fn.
+
+Per token t of a sampled completion: loss_t = pg_t + beta * kl_t(logp_t; log m_t), log m_t = ref_logp_t + log q_t,
+then aggregated over tokens and sequences. Which kl_t has which stationary policy is worked out in the README
+("Which KL estimator") and checked in tests/test_objectives.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from sage_jax import guides
+from sage_jax import model as model_lib
+
+KL_ESTIMATORS = ("k1", "k2", "k3", "k3+", "forward", "none")
+AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+ADV_SCALES = ("group", "batch", "none")
+ADV_ESTIMATORS = ("grpo", "rloo")
+LOG_RATIO_CLIP = 20.0  # exp(20) ~ 5e8: keeps exp-based estimators finite for tokens the policy nearly excludes
+
+sg = jax.lax.stop_gradient
+
+
+# --------------------------------------------------------------------------------------------------- advantages
+
+def _check_groups(n: int, group_size: int) -> None:
+    if group_size < 1 or n % group_size:
+        raise ValueError(f"{n} rewards do not split into groups of {group_size}: rewards must be [num_prompts * G], "
+                         "each group's G rollouts consecutive.")
+
+
+def zero_variance_groups(rewards_N: jax.Array, group_size: int) -> jax.Array:
+    """bool[B]: groups whose rewards are all equal (no learning signal; DAPO's dynamic sampling drops them)."""
+    rewards_N = jnp.asarray(rewards_N, jnp.float32)
+    _check_groups(rewards_N.shape[0], group_size)
+    r_BxG = rewards_N.reshape(-1, group_size)
+    return r_BxG.max(-1) == r_BxG.min(-1)
+
+
+def group_advantages(rewards_N: jax.Array, group_size: int, *, scale: str = "group", eps: float = 1e-6,
+                     ddof: int = 0, estimator: str = "grpo") -> jax.Array:
+    """(r - baseline) / (std + eps) per consecutive group of `group_size`; exactly 0 for zero-variance groups.
+
+    estimator "grpo": baseline = group mean; "rloo": baseline = mean of the other G-1 rollouts.
+    scale "group": per-group std; "batch": std over all rewards; "none": no division (Dr.GRPO).
+    """
+    if scale not in ADV_SCALES:
+        raise ValueError(f"adv_scale={scale!r} is unknown; choose one of {ADV_SCALES}.")
+    if estimator not in ADV_ESTIMATORS:
+        raise ValueError(f"adv_estimator={estimator!r} is unknown; choose one of {ADV_ESTIMATORS}.")
+    if estimator == "rloo" and group_size < 2:
+        raise ValueError("adv_estimator='rloo' needs at least 2 rollouts per prompt (group_size >= 2).")
+    rewards_N = jnp.asarray(rewards_N, jnp.float32)
+    n = rewards_N.shape[0]
+    _check_groups(n, group_size)
+    r_BxG = rewards_N.reshape(-1, group_size)
+    centered_BxG = r_BxG - r_BxG.mean(-1, keepdims=True)
+    if estimator == "rloo":  # r_i - mean_{j != i} r_j = G/(G-1) * (r_i - mean)
+        centered_BxG = centered_BxG * (group_size / (group_size - 1))
+    if scale == "group":
+        var_Bx1 = (jnp.square(r_BxG - r_BxG.mean(-1, keepdims=True)).sum(-1, keepdims=True)
+                   / max(group_size - ddof, 1))
+        adv_BxG = centered_BxG / (jnp.sqrt(var_Bx1) + eps)
+    elif scale == "batch":
+        var = jnp.square(rewards_N - rewards_N.mean()).sum() / max(n - ddof, 1)
+        adv_BxG = centered_BxG / (jnp.sqrt(var) + eps)
+    else:
+        adv_BxG = centered_BxG
+    adv_BxG = jnp.where(zero_variance_groups(rewards_N, group_size)[:, None], 0.0, adv_BxG)
+    return adv_BxG.reshape(n)
+
+
+# --------------------------------------------------------------------------------------------------- KL terms
+
+def kl_term(logp: jax.Array, ref_logp: jax.Array, log_q: jax.Array | None = None, estimator: str = "k3",
+            mask: jax.Array | None = None) -> jax.Array:
+    """Per-token KL term against log m = ref_logp + log_q, for sampled tokens y ~ pi; grad flows through logp only.
+
+    With d = log m - logp and w = exp(d):
+      k1       -d                           expectation: pseudo-KL(pi||m); expected gradient 0 (use it in the reward)
+      k2       d^2 / 2                      expected gradient = that of pseudo-KL(pi||m)
+      k3       w - d - 1                    the reference implementation; expected gradient = that of KL(m||pi)
+      k3+      value of k3, gradient of k2 (straight-through)
+      forward  sg(w) * d - sg(w) + 1        value and gradient both of the pseudo-KL(m||pi), importance weighted
+      none     0
+    Masked-out entries are exactly 0 and carry no gradient.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator={estimator!r} is unknown; choose one of {KL_ESTIMATORS}.")
+    log_m = ref_logp if log_q is None else ref_logp + sg(log_q)
+    valid = jnp.ones(logp.shape, bool) if mask is None else mask > 0
+    d = jnp.where(valid, sg(log_m) - logp, 0.0)
+    d_exp = jnp.clip(d, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
+    if estimator == "k1":
+        value = -d
+    elif estimator == "k2":
+        value = 0.5 * jnp.square(d)
+    elif estimator == "k3":
+        value = jnp.exp(d_exp) - d_exp - 1.0
+    elif estimator == "k3+":
+        k2 = 0.5 * jnp.square(d)
+        value = sg(jnp.exp(d_exp) - d_exp - 1.0) + (k2 - sg(k2))
+    elif estimator == "forward":
+        w = sg(jnp.exp(d_exp))
+        value = w * d_exp - w + 1.0
+    else:
+        value = jnp.zeros_like(d)
+    return jnp.where(valid, value, 0.0)
+
+
+def kl_reward_penalty(logp_NxC: jax.Array, ref_logp_NxC: jax.Array, log_q_NxC: jax.Array | None,
+                      mask_NxC: jax.Array, beta: float) -> jax.Array:
+    """Reward adjustment for KL-in-reward (add it to r before the advantages): -beta * sum_t (logp - log m).
+
+    Use the sampler's or the old policy's logprobs; nothing here carries a gradient.
+    """
+    k1_NxC = kl_term(sg(logp_NxC), sg(ref_logp_NxC), log_q_NxC, "k1", mask_NxC)
+    return -beta * k1_NxC.sum(-1)
+
+
+# --------------------------------------------------------------------------------------------------- surrogate
+
+def policy_surrogate(logp_NxC: jax.Array, old_logp_NxC: jax.Array, adv_N: jax.Array, mask_NxC: jax.Array, *,
+                     eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float = 0.0,
+                     sampler_logp_NxC: jax.Array | None = None, tis_cap: float = 0.0
+                     ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """PPO-clip loss per token (clip-higher, optional dual clip and truncated importance sampling) and its stats."""
+    valid_NxC = mask_NxC > 0
+    adv_Nx1 = adv_N[:, None]
+    ratio_NxC = jnp.exp(jnp.where(valid_NxC, logp_NxC - sg(old_logp_NxC), 0.0))
+    clipped_NxC = jnp.clip(ratio_NxC, 1.0 - eps_low, 1.0 + eps_high)
+    pg_NxC = jnp.maximum(-adv_Nx1 * ratio_NxC, -adv_Nx1 * clipped_NxC)
+    if dual_clip:  # caps the loss of negative-advantage tokens whose ratio exploded at dual_clip * |A|
+        pg_NxC = jnp.where(adv_Nx1 < 0, jnp.minimum(pg_NxC, -dual_clip * adv_Nx1), pg_NxC)
+    if tis_cap:  # corrects the sampler/trainer logprob mismatch
+        if sampler_logp_NxC is None:
+            raise ValueError("loss.tis_cap > 0 needs batch['sampler_logp'] (the sampler's behaviour logprobs).")
+        log_w_NxC = jnp.where(valid_NxC, old_logp_NxC - sampler_logp_NxC, 0.0)
+        pg_NxC = pg_NxC * sg(jnp.minimum(jnp.exp(jnp.minimum(log_w_NxC, 30.0)), tis_cap))
+    pg_NxC = jnp.where(valid_NxC, pg_NxC, 0.0)
+    count = jnp.maximum(valid_NxC.sum(), 1)
+    frac = lambda x_NxC: (x_NxC & valid_NxC).sum() / count
+    stats = {
+        "rl/clip_frac_low": frac((ratio_NxC < 1.0 - eps_low) & (adv_Nx1 < 0)),
+        "rl/clip_frac_high": frac((ratio_NxC > 1.0 + eps_high) & (adv_Nx1 > 0)),
+        "rl/ratio_mean": jnp.where(valid_NxC, sg(ratio_NxC), 0.0).sum() / count,
+    }
+    return pg_NxC, stats
+
+
+def aggregate(loss_NxC: jax.Array, mask_NxC: jax.Array, mode: str, norm_len: int = 0) -> jax.Array:
+    """seq-mean-token-mean (GRPO), token-mean (DAPO / BNPO), seq-mean-token-sum-norm (Dr.GRPO: / norm_len or C)."""
+    mask_NxC = mask_NxC.astype(loss_NxC.dtype)
+    summed_N = (loss_NxC * mask_NxC).sum(-1)
+    if mode == "seq-mean-token-mean":
+        return (summed_N / jnp.maximum(mask_NxC.sum(-1), 1.0)).mean()
+    if mode == "token-mean":
+        return summed_N.sum() / jnp.maximum(mask_NxC.sum(), 1.0)
+    if mode == "seq-mean-token-sum-norm":
+        return (summed_N / (norm_len or loss_NxC.shape[-1])).mean()
+    raise ValueError(f"loss.aggregation={mode!r} is unknown; choose one of {AGGREGATIONS}.")
+
+
+# --------------------------------------------------------------------------------------------------- loss
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Hashable loss settings (pass as a static argument to jit)."""
+    kl_estimator: str = "k3"
+    beta: float = 0.05
+    kl_in_reward: bool = False
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float = 0.0
+    tis_cap: float = 0.0
+    aggregation: str = "seq-mean-token-mean"
+    norm_len: int = 0
+    mask_truncated: bool = False
+    temperature: float = 1.0
+    adv_scale: str = "group"
+    adv_eps: float = 1e-6
+    std_ddof: int = 0
+    adv_estimator: str = "grpo"
+    guide: guides.GuideConfig = guides.GuideConfig()
+
+    def __post_init__(self):
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"loss.kl_estimator={self.kl_estimator!r} is unknown; choose one of {KL_ESTIMATORS}.")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"loss.aggregation={self.aggregation!r} is unknown; choose one of {AGGREGATIONS}.")
+        if self.adv_scale not in ADV_SCALES:
+            raise ValueError(f"loss.adv_scale={self.adv_scale!r} is unknown; choose one of {ADV_SCALES}.")
+        if self.adv_estimator not in ADV_ESTIMATORS:
+            raise ValueError(f"loss.adv_estimator={self.adv_estimator!r} is unknown; choose one of {ADV_ESTIMATORS}.")
+        if self.dual_clip and self.dual_clip <= 1.0:
+            raise ValueError(f"loss.dual_clip={self.dual_clip} must be 0 (off) or > 1 (e.g. 3.0).")
+        if self.eps_low < 0 or self.eps_high < 0 or self.tis_cap < 0 or self.beta < 0:
+            raise ValueError("loss.eps_low, loss.eps_high, loss.tis_cap and loss.beta must be >= 0.")
+        if self.temperature <= 0:
+            raise ValueError(f"loss.temperature={self.temperature} must be > 0.")
+
+    @property
+    def kl_in_loss(self) -> bool:
+        return not self.kl_in_reward and self.kl_estimator != "none" and self.beta > 0
+
+    @classmethod
+    def from_config(cls, loss_cfg: Any, total_steps: int | None = None) -> "LossConfig":
+        """Builds from `config.loss` (ConfigDict / dict); absent fields keep the defaults above."""
+        get = (lambda k: loss_cfg.get(k)) if isinstance(loss_cfg, Mapping) else (lambda k: getattr(loss_cfg, k, None))
+        values = {f.name: get(f.name) for f in dataclasses.fields(cls) if f.name != "guide"}
+        values = {k: v for k, v in values.items() if v is not None}
+        return cls(guide=guides.GuideConfig.from_config(loss_cfg, total_steps), **values)
+
+
+def loss_from_logprobs(logp_NxC: jax.Array, entropy_NxC: jax.Array, batch: Mapping[str, jax.Array],
+                       loss_cfg: LossConfig, step: jax.Array | int = 0, key: jax.Array | None = None
+                       ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The loss given the policy's completion logprobs/entropies (everything in loss_fn after the model)."""
+    mask_NxC = batch["completion_mask"].astype(jnp.float32)
+    if loss_cfg.mask_truncated and "truncated" in batch:
+        mask_NxC = mask_NxC * (1.0 - batch["truncated"].astype(jnp.float32))[:, None]
+    adv_N = batch["advantages"].astype(jnp.float32)
+    old_logp_NxC = batch["old_logp"] if batch.get("old_logp") is not None else sg(logp_NxC)
+    ref_logp_NxC = batch["ref_logp"]
+
+    log_q_NxC = guides.compute_log_q(loss_cfg.guide.name, logp_NxC, entropy_NxC, mask_NxC, key, loss_cfg.guide, step)
+    pg_NxC, pg_stats = policy_surrogate(
+        logp_NxC, old_logp_NxC, adv_N, mask_NxC, eps_low=loss_cfg.eps_low, eps_high=loss_cfg.eps_high,
+        dual_clip=loss_cfg.dual_clip, sampler_logp_NxC=batch.get("sampler_logp"), tis_cap=loss_cfg.tis_cap)
+    if loss_cfg.kl_in_loss:
+        kl_NxC = loss_cfg.beta * kl_term(logp_NxC, ref_logp_NxC, log_q_NxC, loss_cfg.kl_estimator, mask_NxC)
+    else:
+        kl_NxC = jnp.zeros_like(pg_NxC)
+    agg = lambda x_NxC: aggregate(x_NxC, mask_NxC, loss_cfg.aggregation, loss_cfg.norm_len)
+    loss = agg(pg_NxC + kl_NxC)
+
+    count = jnp.maximum(mask_NxC.sum(), 1.0)
+    token_mean = lambda x_NxC: (sg(x_NxC) * mask_NxC).sum() / count
+    metrics = {
+        "loss/total": loss,
+        "loss/policy": agg(sg(pg_NxC)),
+        "loss/kl": agg(sg(kl_NxC)),
+        # k3 is the one estimator that is non-negative per token, so it is what every arm logs
+        "rl/kl": token_mean(kl_term(logp_NxC, ref_logp_NxC, log_q_NxC, "k3", mask_NxC)),
+        "rl/kl_ref": token_mean(kl_term(logp_NxC, ref_logp_NxC, None, "k3", mask_NxC)),
+        "rl/entropy": token_mean(entropy_NxC),
+        "rl/adv_mean": adv_N.mean(),
+        "rl/adv_std": adv_N.std(),
+        "rl/adv_max": adv_N.max(),
+        "rl/adv_min": adv_N.min(),
+        "rl/response_len": batch["completion_mask"].astype(jnp.float32).sum(-1).mean(),
+        **pg_stats,
+        **guides.q_stats(log_q_NxC, mask_NxC),
+    }
+    return loss, metrics
+
+
+def loss_fn(params: Any, batch: Mapping[str, jax.Array], model_cfg: model_lib.ModelConfig, loss_cfg: LossConfig,
+            step: jax.Array | int = 0, key: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Policy forward over prompt+completion, then loss_from_logprobs. model_cfg and loss_cfg are static under jit.
+
+    Completion token j of row n is tokens[n, P+j], predicted at position P+j-1: targets are the tokens shifted left
+    and the logprobs start at P-1. `key` seeds the random/token guides (fold the step in before calling).
+    """
+    tokens_NxT = batch["tokens"]
+    num_completion = batch["completion_mask"].shape[1]
+    prompt_len = tokens_NxT.shape[1] - num_completion
+    if prompt_len < 1:
+        raise ValueError(f"tokens [N, {tokens_NxT.shape[1]}] leave no prompt before the {num_completion} completion "
+                         "columns: each row needs at least one prompt token.")
+    pad_Nx1 = jnp.full((tokens_NxT.shape[0], 1), model_cfg.pad_token_id, tokens_NxT.dtype)
+    targets_NxT = jnp.concatenate([tokens_NxT[:, 1:], pad_Nx1], axis=1)
+    logp_NxC, entropy_NxC = model_lib.logprobs_and_entropy(
+        model_cfg, params, tokens_NxT, targets_NxT, mask_BxT=batch.get("mask"), temperature=loss_cfg.temperature,
+        start=prompt_len - 1, length=num_completion)
+    return loss_from_logprobs(logp_NxC, entropy_NxC, batch, loss_cfg, step, key)

@@ -1,0 +1,77 @@
+"""Rollouts for the RL step: sample G completions per prompt, then shape them into the loss's batch layout."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from sage_jax import sampler, tasks
+from sage_jax.tokenizer import bucket_length
+
+COMPLETION_BUCKETS = tuple(32 * 2 ** i for i in range(12))
+
+
+def rollout(task: tasks.Task, cfg, params, examples, rollout_cfg, key, max_prompt_len: int) -> dict[str, Any]:
+    """Sample G completions per example. Host numpy arrays, rows grouped by prompt."""
+    prompts = [task.encode_prompt(ex)[-max_prompt_len:] for ex in examples]
+    out = sampler.generate(cfg, params, prompts, max_new_tokens=rollout_cfg.max_new_tokens,
+                           temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
+                           min_p=rollout_cfg.min_p, eos_ids=cfg.eos_token_ids, seed=key,
+                           num_samples=rollout_cfg.group_size, pad_id=cfg.pad_token_id)
+    out = jax.device_get(out)
+    G = rollout_cfg.group_size
+    lengths = np.asarray(out.lengths)
+    texts = [task.tokenizer.decode(row[:n]) for row, n in zip(np.asarray(out.tokens), lengths)]
+    return {"prompt_tokens": np.asarray(out.prompt_tokens), "prompt_mask": np.asarray(out.prompt_mask),
+            "tokens": np.asarray(out.tokens), "lengths": lengths, "finished": np.asarray(out.finished),
+            "sampler_logp": np.asarray(out.logprobs), "texts": texts,
+            "golds": [task.gold(ex) for ex in examples for _ in range(G)],
+            "prompts": [task.prompt_text(ex) for ex in examples for _ in range(G)]}
+
+
+def _left_pad_to(a: np.ndarray, width: int, value) -> np.ndarray:
+    return np.pad(a, ((0, 0), (width - a.shape[1], 0)), constant_values=value)
+
+
+def concat_rollouts(parts: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
+    """Join rollouts whose prompt buckets may differ (left-pad prompts to the widest)."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p["prompt_tokens"].shape[1] for p in parts)
+    out = {}
+    for k in parts[0]:
+        vals = [p[k] for p in parts]
+        if k in ("prompt_tokens", "prompt_mask"):
+            vals = [_left_pad_to(v, width, pad_id if k == "prompt_tokens" else False) for v in vals]
+        out[k] = np.concatenate(vals) if isinstance(vals[0], np.ndarray) else sum(vals, [])
+    return out
+
+
+def take_rows(ro: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
+    return {k: (v[rows] if isinstance(v, np.ndarray) else [v[i] for i in rows]) for k, v in ro.items()}
+
+
+def overlong_penalty(lengths: np.ndarray, max_len: int, buffer: int, penalty: float) -> np.ndarray:
+    """DAPO's soft overlong punishment: linear from 0 to -penalty over the last `buffer` tokens."""
+    if buffer <= 0:
+        return np.zeros_like(lengths, np.float32)
+    over = np.clip(lengths - (max_len - buffer), 0, buffer)
+    return (-penalty * over / buffer).astype(np.float32)
+
+
+def build_batch(ro: dict[str, Any], advantages: np.ndarray, pad_id: int, max_new_tokens: int) -> dict[str, np.ndarray]:
+    """Loss batch (objectives.loss_fn layout); completions trimmed to a length bucket to save compute."""
+    C = min(bucket_length(int(ro["lengths"].max(initial=1)), COMPLETION_BUCKETS), max_new_tokens)
+    comp = ro["tokens"][:, :C]
+    comp_mask = np.arange(C)[None, :] < ro["lengths"][:, None]
+    comp = np.where(comp_mask, comp, pad_id)
+    return {
+        "tokens": np.concatenate([ro["prompt_tokens"], comp], axis=1).astype(np.int32),
+        "mask": np.concatenate([ro["prompt_mask"], comp_mask], axis=1).astype(np.int32),
+        "completion_mask": comp_mask.astype(np.float32),
+        "advantages": advantages.astype(np.float32),
+        "sampler_logp": np.where(comp_mask, ro["sampler_logp"][:, :C], 0.0).astype(np.float32),
+        "truncated": ~ro["finished"],
+    }

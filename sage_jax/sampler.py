@@ -1,0 +1,261 @@
+"""Batched generation: one prefill pass, then a jax.lax.while_loop over a preallocated KV cache, all in one jit.
+
+Shapes are bucketed -- prompt length to a power of two (>= 16), new tokens to a power of two (>= 32) up to 512 and
+a multiple of 512 beyond -- and the real limits are traced scalars, so a training run compiles a handful of programs
+(`compile_count()`). Prompts are left-padded; `num_samples=G` prefills each prompt once and repeats its cache for
+its G rows, which come out consecutively (prompt 0's G samples first).
+
+Behaviour log-probs: `logprobs[b, j]` is log softmax(logits / T) of the sampled token *before* top-k / top-p / min-p
+truncation (log softmax(logits) when greedy, T = 0), the quantity the trainer recomputes for the policy at
+temperature T; 0 on padding. Row b's key at step j is fold_in(fold_in(key, j), b), so no two rows or steps share one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sage_jax import model as model_lib
+from sage_jax import sharding as sharding_lib
+from sage_jax.model import ModelConfig, Params
+
+
+class SampleOutput(NamedTuple):
+    tokens: jax.Array  # int32 [B, N], pad after a row stops; B = prompts * num_samples, N = max_new_tokens
+    lengths: jax.Array  # int32 [B], generated tokens including the EOS
+    finished: jax.Array  # bool [B], stopped by an EOS id (False: truncated at N)
+    logprobs: jax.Array  # float32 [B, N], behaviour log-probs (see module docstring), 0 on padding
+    prompt_tokens: jax.Array  # int32 [B, P], left-padded prompts (P = the prompt bucket), repeated per sample
+    prompt_mask: jax.Array  # bool [B, P], True on real prompt tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything static about one compiled program besides the array shapes."""
+    num_samples: int
+    new_bucket: int
+    greedy: bool
+    top_k: int
+    use_top_p: bool
+    use_min_p: bool
+    mesh: Mesh | None
+
+
+_PROGRAMS: set[tuple] = set()
+
+
+def compile_count() -> int:
+    """Distinct programs this process has asked `generate` to compile (one per static key)."""
+    return len(_PROGRAMS)
+
+
+def prompt_bucket(length: int, minimum: int = 16) -> int:
+    return max(minimum, 1 << max(length - 1, 0).bit_length())
+
+
+def new_tokens_bucket(n: int, minimum: int = 32, step: int = 512) -> int:
+    if n <= step:
+        return max(minimum, 1 << max(n - 1, 0).bit_length())
+    return -(-n // step) * step
+
+
+# --------------------------------------------------------------------------------------------------- sampling
+
+def filter_logits(logits_BxV: jax.Array, top_k: int = 0, top_p: float | jax.Array | None = None,
+                  min_p: float | jax.Array | None = None) -> jax.Array:
+    """Keep top-k, then the top-p nucleus (renormalised within top-k), then tokens with p >= min_p * p_max.
+
+    Removed entries become -inf. Each filter reduces to a per-row logit threshold; tokens tied with the threshold
+    are kept. `top_k` is static (0 = off); `top_p` / `min_p` may be traced (None = off).
+    """
+    V = logits_BxV.shape[-1]
+    threshold_B = jnp.full(logits_BxV.shape[:-1], -jnp.inf, logits_BxV.dtype)
+    if top_p is not None or (0 < top_k < V):
+        if 0 < top_k < V:
+            sorted_BxK = jax.lax.top_k(logits_BxV, top_k)[0]
+            threshold_B = sorted_BxK[..., -1]
+        else:
+            sorted_BxK = -jnp.sort(-logits_BxV, axis=-1)
+        if top_p is not None:
+            probs_BxK = jax.nn.softmax(sorted_BxK, axis=-1)
+            mass_before_BxK = jnp.cumsum(probs_BxK, axis=-1) - probs_BxK
+            keep_count_B = jnp.maximum(jnp.sum(mass_before_BxK < top_p, axis=-1), 1)
+            nucleus_B = jnp.take_along_axis(sorted_BxK, keep_count_B[..., None] - 1, axis=-1)[..., 0]
+            threshold_B = jnp.maximum(threshold_B, nucleus_B)
+    if min_p is not None:
+        threshold_B = jnp.maximum(threshold_B, jnp.max(logits_BxV, axis=-1) + jnp.log(min_p))
+    return jnp.where(logits_BxV >= threshold_B[..., None], logits_BxV, -jnp.inf)
+
+
+def sample_tokens(logits_BxV: jax.Array, key: jax.Array, rows_B: jax.Array, *, greedy: bool,
+                  temperature: float | jax.Array = 1.0, top_k: int = 0, top_p=None, min_p=None):
+    """-> (tokens int32 [B], behaviour log-probs float32 [B]). Row b draws with fold_in(key, rows_B[b])."""
+    logits_BxV = logits_BxV.astype(jnp.float32)
+    if greedy:
+        tokens_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+        scaled_BxV = logits_BxV
+    else:
+        scaled_BxV = logits_BxV / temperature
+        filtered_BxV = filter_logits(scaled_BxV, top_k, top_p, min_p)
+        keys_B = jax.vmap(jax.random.fold_in, (None, 0))(key, rows_B)
+        tokens_B = jax.vmap(jax.random.categorical)(keys_B, filtered_BxV).astype(jnp.int32)
+    picked_B = jnp.take_along_axis(scaled_BxV, tokens_B[:, None], axis=-1)[:, 0]
+    return tokens_B, picked_B - jax.nn.logsumexp(scaled_BxV, axis=-1)
+
+
+# --------------------------------------------------------------------------------------------------- the program
+
+def _constrain_cache(cache: list) -> list:
+    return [tuple(sharding_lib.constrain(c, model_lib.cache_axes()) for c in kv) for kv in cache]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("tokens_NxC", "logp_NxC"))
+def _generate_program(cfg: ModelConfig, plan: _Plan, params: Params, prompt_BxP: jax.Array, prompt_mask_BxP: jax.Array,
+                      tokens_NxC: jax.Array, logp_NxC: jax.Array, limit: jax.Array, num_valid: jax.Array,
+                      temperature: jax.Array, top_p: jax.Array, min_p: jax.Array, pad_id: jax.Array,
+                      eos_E: jax.Array, key: jax.Array):
+    B, P = prompt_BxP.shape
+    G, C = plan.num_samples, plan.new_bucket
+    N = B * G
+    sample = functools.partial(sample_tokens, greedy=plan.greedy, temperature=temperature, top_k=plan.top_k,
+                               top_p=top_p if plan.use_top_p else None, min_p=min_p if plan.use_min_p else None)
+
+    # Prefill each prompt once on a cache of exactly P slots, then repeat it for the G samples and grow it by C.
+    mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
+    cache = model_lib.init_cache(cfg, B, P)
+    h_BxPxD, cache = model_lib.forward_with_cache(cfg, params, prompt_BxP, model_lib.default_positions(mask_BxP),
+                                                  cache, 0, mask_BxP, return_hidden=True)
+    logits_NxV = jnp.repeat(model_lib.logits_from_hidden(cfg, params, h_BxPxD[:, -1:])[:, 0], G, axis=0)
+    grow = lambda c: jnp.pad(jnp.repeat(c, G, axis=0), ((0, 0), (0, C)) + ((0, 0),) * (c.ndim - 2))
+    cache = _constrain_cache([tuple(grow(c) for c in kv) for kv in cache])
+    mask_NxP = jnp.repeat(mask_BxP, G, axis=0)
+    # Causality in forward_with_cache already hides slots not yet written, so the kv mask never changes.
+    kv_mask_NxS = jnp.concatenate([mask_NxP, jnp.ones((N, C), jnp.bool_)], axis=1)
+    prompt_len_N = jnp.sum(mask_NxP, axis=-1, dtype=jnp.int32)
+    rows_N = jnp.arange(N, dtype=jnp.int32)
+    valid_N = rows_N < num_valid
+
+    def record(i, tok_N, logp_N, state):
+        tokens, logp, lengths, finished, done = state
+        active_N = ~done
+        tok_N = jnp.where(active_N, tok_N, pad_id)
+        logp_N = jnp.where(active_N, logp_N, 0.0)
+        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, tok_N[:, None], i, axis=1)
+        logp = jax.lax.dynamic_update_slice_in_dim(logp, logp_N[:, None], i, axis=1)
+        hit_eos_N = active_N & jnp.any(tok_N[:, None] == eos_E[None, :], axis=-1)
+        finished = finished | hit_eos_N
+        return tok_N, (tokens, logp, lengths + active_N.astype(jnp.int32), finished, done | hit_eos_N)
+
+    tok_N, logp_N = sample(logits_NxV, jax.random.fold_in(key, 0), rows_N)
+    no_N = jnp.zeros((N,), jnp.bool_)
+    last_N, state = record(0, tok_N, logp_N, (tokens_NxC, logp_NxC, jnp.zeros((N,), jnp.int32), no_N, ~valid_N))
+
+    def cond(carry):
+        i, _, _, state = carry
+        return (i < limit) & ~jnp.all(state[-1])
+
+    def body(carry):
+        i, last_N, cache, state = carry
+        positions_Nx1 = (prompt_len_N + i - 1)[:, None]
+        h_Nx1xD, cache = model_lib.forward_with_cache(cfg, params, last_N[:, None], positions_Nx1, cache, P + i - 1,
+                                                      kv_mask_NxS, return_hidden=True)
+        logits_NxV = model_lib.logits_from_hidden(cfg, params, h_Nx1xD)[:, 0]
+        tok_N, logp_N = sample(logits_NxV, jax.random.fold_in(key, i), rows_N)
+        last_N, state = record(i, tok_N, logp_N, state)
+        return i + 1, last_N, _constrain_cache(cache), state
+
+    _, _, _, (tokens, logp, lengths, finished, _) = jax.lax.while_loop(cond, body, (jnp.int32(1), last_N, cache, state))
+    return tokens, logp, lengths, finished, jnp.repeat(prompt_BxP, G, axis=0), mask_NxP
+
+
+# --------------------------------------------------------------------------------------------------- public API
+
+def _mesh_of(params: Params) -> Mesh | None:
+    leaf = jax.tree.leaves(params)[0]
+    sh = getattr(leaf, "sharding", None)
+    if isinstance(sh, NamedSharding) and set(sharding_lib.MESH_AXES) <= set(sh.mesh.axis_names) \
+            and sh.mesh.size > 1:
+        return sh.mesh
+    return None
+
+
+def _left_pad(prompts: Sequence[Sequence[int]], rows: int, width: int, pad_id: int):
+    tokens = np.full((rows, width), pad_id, np.int32)
+    mask = np.zeros((rows, width), np.bool_)
+    for b in range(rows):
+        p = prompts[b] if b < len(prompts) else prompts[0]  # filler rows repeat a real prompt; they start done
+        tokens[b, width - len(p):] = p
+        mask[b, width - len(p):] = True
+    return tokens, mask
+
+
+def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+             eos_ids: Sequence[int] | None = None, seed: int | jax.Array = 0, num_samples: int = 1,
+             pad_id: int | None = None, mesh: Mesh | None = None) -> SampleOutput:
+    """Sample `num_samples` completions of up to `max_new_tokens` for each prompt (lists of token ids).
+
+    temperature 0 is greedy. eos_ids defaults to cfg.eos_token_ids, pad_id to cfg.pad_token_id; seed may be an int
+    or a jax PRNG key. With a mesh (given, or the one params are sharded on) rows go over ("data", "fsdp") and KV
+    heads over "tensor"; the batch is padded internally to a multiple of the data-parallel size.
+    """
+    prompts = [[int(t) for t in p] for p in prompts]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt and every prompt needs at least one token")
+    if max_new_tokens < 1 or num_samples < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} and num_samples={num_samples} must be >= 1")
+    if temperature < 0 or not 0 < top_p <= 1 or not 0 <= min_p < 1 or top_k < 0:
+        raise ValueError(f"bad sampling settings temperature={temperature} top_p={top_p} top_k={top_k} "
+                         f"min_p={min_p}: need temperature >= 0, 0 < top_p <= 1, 0 <= min_p < 1, top_k >= 0")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
+                         f"max_position_embeddings={cfg.max_position_embeddings}; shorten prompts or generation")
+    vocab_ids = [t for p in prompts for t in p]
+    if min(vocab_ids) < 0 or max(vocab_ids) >= cfg.vocab_size:
+        raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size}); got {min(vocab_ids)}..{max(vocab_ids)}")
+    pad_id = cfg.pad_token_id if pad_id is None else int(pad_id)
+    eos_ids = tuple(cfg.eos_token_ids if eos_ids is None else (int(e) for e in eos_ids))
+
+    mesh = mesh if mesh is not None else _mesh_of(params)
+    dp = mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1
+    B, G = len(prompts), num_samples
+    rows = B
+    while (rows * G) % dp:  # smallest padding that lets the N = rows * G decode rows split over data x fsdp
+        rows += 1
+    P, C = prompt_bucket(longest), new_tokens_bucket(max_new_tokens)
+    N = rows * G
+    tokens_BxP, mask_BxP = _left_pad(prompts, rows, P, pad_id)
+    greedy = temperature == 0
+    plan = _Plan(num_samples=G, new_bucket=C, greedy=greedy, top_k=0 if greedy or top_k >= cfg.vocab_size else top_k,
+                 use_top_p=not greedy and top_p < 1, use_min_p=not greedy and min_p > 0, mesh=mesh)
+    key = seed if isinstance(seed, jax.Array) else jax.random.key(int(seed))
+
+    outputs = (np.full((N, C), pad_id, np.int32), np.zeros((N, C), np.float32))
+    if mesh is not None:
+        if _mesh_of(params) != mesh:
+            params = sharding_lib.shard_params(params, mesh, cfg=cfg)
+        put = lambda x: jax.device_put(x, sharding_lib.data_sharding(mesh, x.ndim) if x.shape[0] % dp == 0
+                                       else NamedSharding(mesh, PartitionSpec()))
+        tokens_BxP, mask_BxP = put(tokens_BxP), put(mask_BxP)
+        outputs = tuple(put(x) for x in outputs)
+        key = jax.device_put(key, NamedSharding(mesh, PartitionSpec()))
+    scalars = (np.int32(min(max_new_tokens, C)), np.int32(B * G), np.float32(temperature or 1.0),
+               np.float32(top_p), np.float32(min_p), np.int32(pad_id))
+    _PROGRAMS.add((cfg, plan, rows, P, len(eos_ids), jax.tree.structure(params),
+                   tuple((x.shape, x.dtype) for x in jax.tree.leaves(params))))
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        tokens, logp, lengths, finished, prompt_tokens, prompt_mask = _generate_program(
+            cfg, plan, params, tokens_BxP, mask_BxP, *outputs, *scalars, np.asarray(eos_ids, np.int32), key)
+    n = B * G
+    return SampleOutput(tokens=tokens[:n, :max_new_tokens], lengths=lengths[:n], finished=finished[:n],
+                        logprobs=logp[:n, :max_new_tokens], prompt_tokens=prompt_tokens[:n],
+                        prompt_mask=prompt_mask[:n])

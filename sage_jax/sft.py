@@ -1,0 +1,21 @@
+"""python -m sage_jax.sft --config configs/NAME.py[:arg] --workdir DIR [--config.key=value ...]
+
+Supervised warm-start only; `train` runs it automatically first when config.sft.steps > 0.
+"""
+
+from sage_jax import cli
+
+
+def main(argv=None) -> int:
+    config, args = cli.parse(argv, "supervised fine-tuning on demonstrations")
+    cli.setup_runtime(args.workdir)
+    import os
+    from sage_jax import model, supervised
+    cfg, params = supervised.run_sft(config, os.path.join(args.workdir, "sft"))
+    model.save_hf(os.path.join(args.workdir, "sft", "hf_export"), cfg, params)
+    print(f"SFT done: {os.path.join(args.workdir, 'sft', 'hf_export')}")
+    return 0
+
+
+if __name__ == "__main__":
+    cli.main_guard(main)

@@ -1,0 +1,192 @@
+"""Device mesh, logical-axis rules, and placing pytrees on the mesh.
+
+The model names logical axes ("embed", "heads", ...); a small rules table maps them to the mesh axes
+("data", "fsdp", "tensor"). Axes are Auto (GSPMD propagation) on purpose: we annotate weights and a few
+activations and let XLA place the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+import os
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
+DEFAULT_RULES: dict[str, Any] = {
+    "batch": ("data", "fsdp"),
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "head_dim": None,
+    "layers": None,
+    "norm": None,
+    "seq": None,
+    "cache_seq": None,
+    "act_embed": None,
+}
+
+_RULES: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar("sage_rules", default=None)
+
+
+def resolve_mesh_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
+    """Fill in one -1 and check that the mesh uses exactly the devices there are."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != len(MESH_AXES):
+        raise ValueError(f"mesh shape {shape} must have {len(MESH_AXES)} entries for axes {MESH_AXES}")
+    if shape.count(-1) > 1:
+        raise ValueError(f"mesh shape {shape}: at most one axis may be -1")
+    if any(s == 0 or s < -1 for s in shape):
+        raise ValueError(f"mesh shape {shape}: sizes must be positive or -1")
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if num_devices % known:
+            raise ValueError(
+                f"mesh shape {shape}: the fixed axes ({known} devices) do not divide the {num_devices} available "
+                f"devices; choose sizes whose product divides {num_devices}")
+        shape = tuple(num_devices // known if s == -1 else s for s in shape)
+    if math.prod(shape) != num_devices:
+        raise ValueError(
+            f"mesh shape {dict(zip(MESH_AXES, shape))} needs {math.prod(shape)} devices but {num_devices} are "
+            f"available; set config.mesh.shape so the sizes multiply to {num_devices} (one may be -1)")
+    return shape
+
+
+def make_mesh(shape: Sequence[int] = (1, -1, 1), devices: Sequence[jax.Device] | None = None) -> Mesh:
+    devices = list(jax.devices() if devices is None else devices)
+    shape = resolve_mesh_shape(shape, len(devices))
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, Any] | None = None) -> P:
+    rules = DEFAULT_RULES if rules is None else rules
+    used: set[str] = set()
+    out = []
+    for name in axes:
+        target = rules.get(name) if name is not None else None
+        if target is None:
+            out.append(None)
+            continue
+        targets = (target,) if isinstance(target, str) else tuple(target)
+        # A mesh axis can shard only one dimension of an array.
+        targets = tuple(t for t in targets if t not in used)
+        used.update(targets)
+        out.append(targets[0] if len(targets) == 1 else (targets or None))
+    return P(*out)
+
+
+def logical_to_sharding(axes: Sequence[str | None], mesh: Mesh, rules: Mapping[str, Any] | None = None
+                        ) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(axes, rules))
+
+
+def check_divisible(path: str, shape: Sequence[int], spec: P, mesh: Mesh) -> None:
+    for dim, (size, entry) in enumerate(zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)))):
+        if entry is None:
+            continue
+        axes = (entry,) if isinstance(entry, str) else entry
+        n = math.prod(mesh.shape[a] for a in axes)
+        if size % n:
+            raise ValueError(
+                f"{path}: dimension {dim} has size {size}, which does not divide over mesh axes {axes} of size {n}; "
+                f"change config.mesh.shape or the logical-axis rules")
+
+
+def tree_shardings(abstract_tree: Any, axes_tree: Any, mesh: Mesh, rules: Mapping[str, Any] | None = None) -> Any:
+    """NamedShardings for a pytree of arrays (or ShapeDtypeStructs) given a matching tree of logical axes."""
+    def one(path, leaf, axes):
+        spec = logical_to_spec(axes, rules)
+        check_divisible(jax.tree_util.keystr(path), leaf.shape, spec, mesh)
+        return NamedSharding(mesh, spec)
+    return jax.tree_util.tree_map_with_path(one, abstract_tree, axes_tree,
+                                            is_leaf=lambda x: isinstance(x, tuple) and all(
+                                                isinstance(a, (str, type(None))) for a in x))
+
+
+def param_shardings(cfg, mesh: Mesh, rules: Mapping[str, Any] | None = None) -> Any:
+    from sage_jax import model  # model imports nothing from here at module level but constrain()
+    abstract = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+    return tree_shardings(abstract, model.param_axes(cfg), mesh, rules)
+
+
+def shard_params(params: Any, mesh: Mesh, rules: Mapping[str, Any] | None = None, cfg=None) -> Any:
+    """Place params onto the mesh by their logical axes (cfg is needed to know the axes)."""
+    if cfg is None:
+        raise ValueError("shard_params needs the ModelConfig (cfg=...) to look up logical axes")
+    from sage_jax import model
+    shardings = tree_shardings(params, model.param_axes(cfg), mesh, rules)
+    return jax.tree.map(jax.device_put, params, shardings)
+
+
+@contextlib.contextmanager
+def use_rules(rules: Mapping[str, Any] | None):
+    token = _RULES.set(rules)
+    try:
+        yield
+    finally:
+        _RULES.reset(token)
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """Annotate an activation with logical axes; a no-op unless a mesh is set (jax.set_mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+        return x
+    rules = _RULES.get() or DEFAULT_RULES
+    spec = logical_to_spec(axes, rules)
+    # Skip constraints the shape cannot honour (e.g. a batch of 1 on a 2-way axis) instead of failing.
+    for size, entry in zip(x.shape, spec):
+        if entry is None:
+            continue
+        names = (entry,) if isinstance(entry, str) else entry
+        if size % math.prod(mesh.shape[a] for a in names):
+            return x
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+def data_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Batch-leading arrays: rows over data x fsdp, the rest replicated."""
+    return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def initialize_distributed() -> None:
+    """Start JAX's multi-controller runtime when the environment asks for it.
+
+    TPU pods: automatic (jax.distributed.initialize() finds the peers). GPU clusters and local multi-process tests:
+    set SAGE_COORDINATOR=host:port, SAGE_NUM_PROCESSES, SAGE_PROCESS_ID. Single-process runs: nothing to do.
+    """
+    coordinator = os.environ.get("SAGE_COORDINATOR")
+    if coordinator:
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=int(os.environ["SAGE_NUM_PROCESSES"]),
+            process_id=int(os.environ["SAGE_PROCESS_ID"]),
+            local_device_ids=None,
+        )
+    elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("CLOUD_TPU_TASK_ID"):
+        jax.distributed.initialize()
+
+
+def host_local_batch(global_batch: np.ndarray, process_index: int | None = None,
+                     process_count: int | None = None) -> np.ndarray:
+    """This process's contiguous share of a global batch (rows split evenly across processes)."""
+    pi = jax.process_index() if process_index is None else process_index
+    pc = jax.process_count() if process_count is None else process_count
+    n = global_batch.shape[0]
+    if n % pc:
+        raise ValueError(f"global batch of {n} rows does not split over {pc} processes")
+    per = n // pc
+    return global_batch[pi * per:(pi + 1) * per]

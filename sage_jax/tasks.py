@@ -1,0 +1,124 @@
+"""What the trainer trains on: tokenizer, train/eval examples, prompt rendering and the reward's name.
+
+Three tasks share one shape: "math" (HF tokenizer, boxed answers, math-verify reward), "kk" (Knights and Knaves,
+HF tokenizer) and "countdown" (a character tokenizer and procedurally generated problems: the CPU default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any, Sequence
+
+from sage_jax.data import loaders
+from sage_jax.data.loaders import Example
+
+
+@dataclasses.dataclass
+class Task:
+    name: str
+    reward: str  # a sage_jax.rewards.pool registry name
+    tokenizer: Any  # encode(text) -> ids, decode(ids) -> text, eos_ids, pad_id
+    template: str  # sage_jax.data.templates name
+    train: list[Example]
+    evals: dict[str, list[Example]]
+
+    def prompt_text(self, ex: Example) -> str:
+        from sage_jax.data.templates import render
+        return render(self.template, ex.problem)
+
+    def encode_prompt(self, ex: Example) -> list[int]:
+        return list(self.tokenizer.encode(self.prompt_text(ex)))
+
+    def gold(self, ex: Example) -> Any:
+        """What the reward function compares against."""
+        if self.name == "countdown":
+            return {"numbers": ex.meta["numbers"], "target": ex.meta["target"]}
+        if self.name == "kk":
+            return ex.meta.get("gold", ex.answer)
+        return ex.answer
+
+    def train_batch(self, step: int, num_prompts: int, seed: int) -> list[Example]:
+        """Prompts for RL step `step`: epochs over a seeded permutation, so a resumed run sees the same data."""
+        n = len(self.train)
+        if n == 0:
+            raise ValueError(f"task {self.name!r} has no training examples")
+        out = []
+        for i in range(step * num_prompts, (step + 1) * num_prompts):
+            epoch, pos = divmod(i, n)
+            order = list(range(n))
+            random.Random(hash((seed, epoch)) & 0xFFFFFFFF).shuffle(order)
+            out.append(self.train[order[pos]])
+        return out
+
+
+class _CountdownTok:
+    """CountdownTokenizer with the attribute names the trainer uses."""
+
+    def __init__(self):
+        from sage_jax.rewards.countdown import CountdownTokenizer
+        self._tok = CountdownTokenizer()
+        self.vocab_size = self._tok.vocab_size
+        self.pad_id = self._tok.pad_id
+        self.bos_id = self._tok.bos_id
+        self.eos_ids = (self._tok.eos_id,)
+
+    def encode(self, text: str, add_eos: bool = False) -> list[int]:
+        return self._tok.encode(text, add_bos=True, add_eos=add_eos)
+
+    def encode_completion(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_bos=False, add_eos=True)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(ids)
+
+
+def _split_names(text: str) -> list[str]:
+    return [s.strip() for s in text.split(",") if s.strip()]
+
+
+def build(config, tokenizer_path: str = "") -> Task:
+    """The task named by config.data.task."""
+    d = config.data
+    limit = d.eval_problems or None
+    if d.task == "countdown":
+        opts = dict(high=d.max_number)
+        train = loaders.load_dataset("countdown", "train", num_examples=d.num_train, seed=config.seed, **opts)
+        test = loaders.load_dataset("countdown", "test", num_examples=d.num_eval, seed=config.seed,
+                                    num_train=d.num_train, **opts)
+        evals = {"countdown": test}
+        if d.ood_num_numbers:
+            ood_opts = dict(opts, high=min(d.max_number, 12))
+            evals["countdown_ood"] = loaders.load_dataset("countdown", "test_ood", num_examples=min(d.num_eval, 100),
+                                                          seed=config.seed, **ood_opts)
+        return Task("countdown", "countdown", _CountdownTok(), "plain", train, evals)
+
+    from sage_jax.tokenizer import Tokenizer
+    path = tokenizer_path or config.tokenizer_path or config.model.path
+    if not path:
+        raise ValueError(f"task {d.task!r} needs a tokenizer: set --config.model.path (an HF directory) or "
+                         "--config.tokenizer_path")
+    tokenizer = Tokenizer.from_pretrained(path)
+    fields = dict(problem_key=d.problem_field or None, answer_key=d.answer_field or None)
+    data_dir = d.data_dir or None
+    if d.task == "kk":
+        from sage_jax.rewards import kk
+        train = [_kk_example(p, i) for i, p in enumerate(kk.generate_dataset(list(d.kk_people), d.num_train,
+                                                                            config.seed))]
+        evals = {name: loaders.load_dataset("kk", name, data_dir=data_dir, limit=limit)
+                 for name in _split_names(d.eval)}
+        return Task("kk", "kk", tokenizer, d.template, train, evals)
+    if d.task != "math":
+        raise ValueError(f"data.task={d.task!r}: choose 'math', 'kk' or 'countdown'")
+    train = loaders.load_dataset(d.train, "train", data_dir=data_dir, **fields)
+    evals = {name: loaders.load_dataset(name, "test", data_dir=data_dir, limit=limit) for name in _split_names(d.eval)}
+    return Task("math", "math", tokenizer, d.template, train, evals)
+
+
+def _kk_example(puzzle: dict, i: int) -> Example:
+    from sage_jax.rewards import kk
+    problem = puzzle.get("quiz") or kk.prompt(puzzle)
+    ex = Example(problem, puzzle.get("solution_text_format", ""), {"id": f"gen{i}", **puzzle})
+    parse_row = getattr(kk, "parse_row", None)
+    ex.meta["gold"] = parse_row(puzzle) if parse_row else puzzle
+    return ex

@@ -1,0 +1,147 @@
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from sage_jax import checkpoint as ckpt
+
+
+def _state(scale: float = 1.0):
+    params = {"embed": jnp.arange(32.0).reshape(8, 4) * scale, "layers": {"w": jnp.ones((8, 2)) * scale}}
+    return {"params": params, "opt_state": optax.adamw(1e-3).init(params), "step": jnp.asarray(7, jnp.int32)}
+
+
+def _abstract(state, sharding=None):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding or x.sharding), state)
+
+
+def _assert_tree_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _save_steps(workdir, steps, keep=5):
+    c = ckpt.Checkpointer(workdir, keep=keep)
+    for s in steps:
+        assert c.save(s, _state(float(s)), {"data_position": s * 10})
+    return c
+
+
+def test_round_trip_with_opt_state_and_meta(tmp_path):
+    c = ckpt.Checkpointer(tmp_path)
+    state = _state()
+    meta = {"data_position": 123, "rng_key": np.array([0, 42], np.uint32), "config": {"lr": 1e-3, "arm": "sage"}}
+    c.save(5, state, meta)
+    c.close()
+
+    c2 = ckpt.Checkpointer(tmp_path)
+    assert c2.latest_step() == 5 and c2.all_steps() == [5]
+    step, restored, got_meta = c2.restore(_abstract(state))
+    assert step == 5
+    _assert_tree_equal(restored, state)
+    assert type(restored["opt_state"][0]) is type(state["opt_state"][0])  # namedtuple structure survives
+    assert got_meta == {"data_position": 123, "rng_key": [0, 42], "config": {"lr": 1e-3, "arm": "sage"}}
+
+
+def test_keep_prunes_oldest(tmp_path):
+    c = _save_steps(tmp_path, [1, 2, 3, 4], keep=2)
+    assert c.all_steps() == [3, 4]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3", "4"]
+
+
+def test_restore_onto_named_sharding_8_devices(tmp_path):
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    c = ckpt.Checkpointer(tmp_path)
+    state = _state()
+    c.save(1, state)
+    fsdp = NamedSharding(mesh, P("fsdp"))
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=fsdp if x.ndim else
+                                                         NamedSharding(mesh, P())), state)
+    _, restored, meta = c.restore(target)
+    assert meta == {}
+    embed = restored["params"]["embed"]
+    assert embed.sharding == fsdp and len(embed.addressable_shards) == 8
+    assert restored["opt_state"][0].mu["layers"]["w"].sharding == fsdp
+    _assert_tree_equal(restored, state)
+
+
+def test_corrupt_latest_falls_back_with_warning(tmp_path, caplog):
+    c = _save_steps(tmp_path, [1, 2, 3])
+    (tmp_path / "checkpoints" / "3" / "state" / "_METADATA").unlink()
+    with open(tmp_path / "checkpoints" / "3" / "meta" / "metadata", "r+b") as f:
+        f.truncate(3)
+    with caplog.at_level(logging.WARNING, logger="sage_jax.checkpoint"):
+        step, restored, meta = c.restore(_abstract(_state()))
+    assert step == 2 and meta == {"data_position": 20}
+    _assert_tree_equal(restored, _state(2.0))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("step 3" in w and "unreadable" in w for w in warnings)
+    # the corrupt step is moved aside so step 3 can be saved again by the resumed run
+    assert c.all_steps() == [1, 2] and len(os.listdir(tmp_path / "checkpoints_corrupt")) == 1
+    assert c.save(3, _state(3.0))
+
+
+def test_truncated_data_file_is_detected(tmp_path, caplog):
+    c = _save_steps(tmp_path, [1, 2])
+    data_dir = tmp_path / "checkpoints" / "2" / "state" / "d"
+    for f in data_dir.iterdir():
+        with open(f, "r+b") as fh:
+            fh.truncate(f.stat().st_size // 2)
+    with caplog.at_level(logging.WARNING, logger="sage_jax.checkpoint"):
+        step, _, _ = c.restore(_abstract(_state()))
+    assert step == 1
+
+
+def test_all_corrupt_raises_checkpoint_error(tmp_path):
+    c = _save_steps(tmp_path, [1, 2])
+    for s in (1, 2):
+        (tmp_path / "checkpoints" / str(s) / "state" / "_METADATA").unlink()
+    with pytest.raises(ckpt.CheckpointError) as err:
+        c.restore(_abstract(_state()))
+    msg = str(err.value)
+    assert str(tmp_path) in msg and "step 2" in msg and "step 1" in msg and "_METADATA" in msg
+    assert isinstance(err.value, RuntimeError)
+    assert c.all_steps() == [1, 2]  # nothing moved when nothing could be restored
+
+
+def test_explicit_step(tmp_path):
+    c = _save_steps(tmp_path, [1, 2])
+    step, restored, _ = c.restore(jax.eval_shape(lambda: _state()), step=1)  # no shardings: first local device
+    assert step == 1
+    _assert_tree_equal(restored, _state(1.0))
+    with pytest.raises(FileNotFoundError, match="step 9"):
+        c.restore(_abstract(_state()), step=9)
+
+
+def test_empty_workdir_returns_none_and_tmp_dir_ignored(tmp_path):
+    c = ckpt.Checkpointer(tmp_path)
+    assert c.restore(_abstract(_state())) is None and c.latest_step() is None
+    c.save(1, _state())
+    # a save that crashed mid-way leaves only an orbax tmp dir, which never counts as a step
+    (tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp-123").mkdir()
+    c2 = ckpt.Checkpointer(tmp_path)
+    assert c2.latest_step() == 1 and c2.restore(_abstract(_state()))[0] == 1
+
+
+def test_async_save_and_bad_meta(tmp_path):
+    c = ckpt.Checkpointer(tmp_path, async_save=True)
+    c.save(1, _state(), {"k": 1})
+    c.wait()
+    assert c.latest_step() == 1
+    with pytest.raises(ValueError, match="JSON"):
+        c.save(2, _state(), {"bad": object()})
+    c.close()
+
+
+def test_export_hf_calls_model_save_hf(tmp_path, monkeypatch):
+    from sage_jax import model
+    calls = []
+    monkeypatch.setattr(model, "save_hf", lambda out, cfg, params: calls.append((out, cfg, params)))
+    out = ckpt.export_hf(tmp_path, "cfg", {"p": 1})
+    assert out == os.path.join(str(tmp_path), "hf_export") and calls == [(out, "cfg", {"p": 1})]

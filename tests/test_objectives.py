@@ -1,0 +1,344 @@
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from sage_jax import guides
+from sage_jax import model as model_lib
+from sage_jax import objectives as obj
+
+sg = jax.lax.stop_gradient
+# one compiled program per call shape instead of one per eager op (keeps the file fast on a busy CPU)
+loss_from_logprobs = jax.jit(obj.loss_from_logprobs, static_argnums=(3,))
+kl_term = jax.jit(obj.kl_term, static_argnums=(3,))
+
+
+# --------------------------------------------------------------------------------------------------- advantages
+
+def test_group_advantages_hand_values():
+    r = jnp.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    adv = np.asarray(obj.group_advantages(r, 4))
+    std = np.sqrt(0.1875)
+    np.testing.assert_allclose(adv[:4], np.array([0.75, -0.25, -0.25, -0.25]) / (std + 1e-6), rtol=1e-6)
+    assert np.array_equal(adv[4:], np.zeros(4))  # zero-variance group: exactly 0
+    adv1 = np.asarray(obj.group_advantages(r, 4, ddof=1))
+    np.testing.assert_allclose(adv1[:4], np.array([0.75, -0.25, -0.25, -0.25]) / (np.sqrt(0.25) + 1e-6), rtol=1e-6)
+    np.testing.assert_allclose(obj.group_advantages(r, 4, scale="none")[:4], [0.75, -0.25, -0.25, -0.25])
+    batch_std = np.std(np.asarray(r))
+    np.testing.assert_allclose(obj.group_advantages(r, 4, scale="batch")[:4],
+                               np.array([0.75, -0.25, -0.25, -0.25]) / (batch_std + 1e-6), rtol=1e-6)
+    np.testing.assert_allclose(obj.group_advantages(r, 4, scale="none", estimator="rloo")[:4],
+                               [1.0, -1 / 3, -1 / 3, -1 / 3], rtol=1e-6)
+
+
+def test_zero_variance_groups_never_nan():
+    r = jnp.array([0.1] * 8 + [0.3, 0.7, 0.3, 0.7, 2.0, 2.0, 2.0, 2.0])
+    assert np.array_equal(np.asarray(obj.zero_variance_groups(r, 4)), [True, True, False, True])
+    for scale in obj.ADV_SCALES:
+        for estimator in obj.ADV_ESTIMATORS:
+            adv = np.asarray(obj.group_advantages(r, 4, scale=scale, estimator=estimator, ddof=1))
+            assert np.isfinite(adv).all()
+            assert np.array_equal(adv[:8], np.zeros(8)) and np.array_equal(adv[12:], np.zeros(4))
+    single = obj.group_advantages(jnp.array([1.0, 0.0]), 1, ddof=1)
+    assert np.array_equal(np.asarray(single), [0.0, 0.0])
+
+
+def test_group_advantages_bad_shapes():
+    with pytest.raises(ValueError, match="groups of 3"):
+        obj.group_advantages(jnp.zeros(8), 3)
+    with pytest.raises(ValueError, match="rloo"):
+        obj.group_advantages(jnp.zeros(4), 1, estimator="rloo")
+    with pytest.raises(ValueError, match="adv_scale"):
+        obj.group_advantages(jnp.zeros(4), 2, scale="std")
+
+
+# --------------------------------------------------------------------------------------------------- kl_term
+
+def test_kl_term_values_and_gradients():
+    logp = jnp.array([-1.0, -2.0, -0.5])
+    ref = jnp.array([-1.5, -1.0, -0.5])
+    log_q = jnp.log(jnp.array([1.2, 0.8, 1.0]))
+    d = np.asarray(ref + log_q - logp)
+    expected = {"k1": -d, "k2": 0.5 * d ** 2, "k3": np.exp(d) - d - 1, "k3+": np.exp(d) - d - 1,
+                "forward": np.exp(d) * d - np.exp(d) + 1, "none": np.zeros(3)}
+    grads = {"k1": np.ones(3), "k2": -d, "k3": 1 - np.exp(d), "k3+": -d, "forward": -np.exp(d),
+             "none": np.zeros(3)}
+    for est in obj.KL_ESTIMATORS:
+        np.testing.assert_allclose(kl_term(logp, ref, log_q, est), expected[est], rtol=1e-5, atol=1e-6)
+        g, g_ref = jax.jit(jax.grad(lambda lp, rl: obj.kl_term(lp, rl, log_q, est).sum(), argnums=(0, 1)))(logp, ref)
+        np.testing.assert_allclose(g, grads[est], rtol=1e-5, atol=1e-6, err_msg=est)
+        assert not np.any(np.asarray(g_ref))
+    k3 = kl_term(logp, ref, log_q, "k3")
+    assert np.array_equal(np.asarray(kl_term(logp, ref, log_q, "k3+")), np.asarray(k3))  # exactly k3's value
+
+
+def test_kl_term_masked_entries_are_zero_and_finite():
+    logp = jnp.array([-1.0, -200.0])
+    ref = jnp.array([-1.0, 0.0])
+    mask = jnp.array([1.0, 0.0])
+    for est in obj.KL_ESTIMATORS:
+        value, g = jax.value_and_grad(lambda lp: obj.kl_term(lp, ref, None, est, mask).sum())(logp)
+        assert np.isfinite(float(value)) and np.isfinite(np.asarray(g)).all()
+        assert float(g[1]) == 0.0
+    with pytest.raises(ValueError, match="kl_estimator"):
+        obj.kl_term(logp, ref, None, "k4")
+
+
+def test_kl_reward_penalty():
+    logp = jnp.array([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
+    ref = jnp.array([[-1.5, -1.0, 0.0], [0.0, 0.0, 0.0]])
+    log_q = jnp.log(jnp.array([[1.2, 1.0, 1.0], [1.0, 1.0, 1.0]]))
+    mask = jnp.array([[1, 1, 0], [0, 0, 0]])
+    pen = obj.kl_reward_penalty(logp, ref, log_q, mask, beta=0.1)
+    k1 = (-1.0 - (-1.5 + np.log(1.2))) + (-2.0 - (-1.0))
+    np.testing.assert_allclose(pen, [-0.1 * k1, 0.0], rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------- bandit
+# One categorical step over V tokens, exact expectation over y ~ pi. Each term is used as in the real loss: pi_y is a
+# stop-grad sampling weight, the gradient flows through logp_y of the per-token surrogate and KL values.
+
+V = 6
+LOG_REF = jax.nn.log_softmax(jnp.array([0.5, -1.0, 0.2, 1.0, -0.5, 0.0]))
+LOG_Q = jnp.log(jnp.array([1.4, 0.6, 1.0, 1.2, 0.8, 1.0]))
+REWARD = jnp.array([1.0, 0.0, 0.5, 0.0, 1.0, 0.2])
+BETA = 0.5
+
+
+def _bandit_loss(logits_V, estimator, log_q_V=LOG_Q, reward_V=REWARD, beta=BETA, kl_in_reward=False):
+    logp_V = jax.nn.log_softmax(logits_V)
+    pi_V = sg(jnp.exp(logp_V))
+    ones_Vx1 = jnp.ones((V, 1))
+    if kl_in_reward:
+        adv_V = reward_V + obj.kl_reward_penalty(logp_V[:, None], LOG_REF[:, None], log_q_V[:, None], ones_Vx1, beta)
+        kl_V = 0.0
+    else:
+        adv_V = reward_V
+        kl_V = obj.kl_term(logp_V, LOG_REF, log_q_V, estimator)
+    pg_Vx1, _ = obj.policy_surrogate(logp_V[:, None], sg(logp_V)[:, None], adv_V, ones_Vx1, eps_low=1e9,
+                                     eps_high=1e9)
+    return jnp.sum(pi_V * (pg_Vx1[:, 0] + beta * kl_V))
+
+
+bandit_grad = jax.jit(jax.grad(_bandit_loss), static_argnums=(1,))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _converge(estimator, kl_in_reward=False):
+    grad = jax.grad(_bandit_loss)
+    step = lambda _, z: z - 2.0 * grad(z, estimator, kl_in_reward=kl_in_reward)
+    return jax.nn.softmax(jax.lax.fori_loop(0, 20000, step, LOG_REF))
+
+
+def _tilt():
+    return np.asarray(jax.nn.softmax(LOG_REF + LOG_Q + REWARD / BETA))
+
+
+def _tv(a, b):
+    return 0.5 * np.abs(np.asarray(a) - np.asarray(b)).sum()
+
+
+@pytest.mark.parametrize("estimator,kl_in_reward", [("k2", False), ("k3+", False), ("k1", True)])
+def test_bandit_exact_pseudo_kl_gradient_reaches_guided_tilt(estimator, kl_in_reward):
+    pi = _converge(estimator, kl_in_reward)
+    assert _tv(pi, _tilt()) < 1e-3  # pi* = q pi_ref exp(r / beta) / Z
+
+
+def test_bandit_k3_reaches_its_own_fixed_point_not_the_tilt():
+    pi = np.asarray(_converge("k3"))
+    m = np.exp(np.asarray(LOG_REF + LOG_Q))
+    r = np.asarray(REWARD)
+    rbar = float(pi @ r)
+    assert np.all(BETA * m.sum() > r - rbar)
+    fixed_point = BETA * m / (BETA * m.sum() - (r - rbar))
+    assert _tv(pi, fixed_point) < 1e-3
+    assert abs(fixed_point.sum() - 1.0) < 1e-3  # rbar is self-consistent
+    assert _tv(pi, _tilt()) > 0.03  # and it is measurably not the paper's stationary solution
+
+
+def test_bandit_forward_gradient_is_forward_kl_gradient():
+    logits = jnp.array([0.3, -0.7, 1.1, 0.0, -0.2, 0.4])
+    zero_r = jnp.zeros(V)
+    for log_q in (jnp.zeros(V), LOG_Q):
+        log_m = LOG_REF + log_q
+
+        def exact(z):  # generalised forward KL(m || pi) = sum m log(m / pi) - sum m + 1
+            return jnp.sum(jnp.exp(log_m) * (log_m - jax.nn.log_softmax(z))) - jnp.exp(log_m).sum() + 1.0
+
+        g = bandit_grad(logits, "forward", log_q, zero_r, 1.0)
+        np.testing.assert_allclose(g, jax.grad(exact)(logits), atol=1e-6)
+        value = jnp.sum(jax.nn.softmax(logits) * kl_term(jax.nn.log_softmax(logits), LOG_REF, log_q, "forward"))
+        np.testing.assert_allclose(value, exact(logits), rtol=1e-5)
+        # the reference's k3 has the same expected gradient: it anchors like a forward KL
+        np.testing.assert_allclose(bandit_grad(logits, "k3", log_q, zero_r, 1.0), jax.grad(exact)(logits),
+                                   atol=1e-6)
+
+
+def test_bandit_k2_gradient_is_reverse_pseudo_kl_gradient():
+    logits = jnp.array([0.3, -0.7, 1.1, 0.0, -0.2, 0.4])
+    log_m = LOG_REF + LOG_Q
+
+    def exact(z):  # pseudo-KL(pi || m) = sum pi log(pi / m) - pi + m
+        logp = jax.nn.log_softmax(z)
+        return jnp.sum(jnp.exp(logp) * (logp - log_m) - jnp.exp(logp) + jnp.exp(log_m))
+
+    for est in ("k2", "k3+"):
+        g = bandit_grad(logits, est, LOG_Q, jnp.zeros(V), 1.0)
+        np.testing.assert_allclose(g, jax.grad(exact)(logits), atol=1e-6)
+
+
+def test_bandit_token_independent_q_cancels_for_k2_but_scales_k3():
+    # a branch guide's q depends on the position, not on the token chosen there
+    logits = jnp.array([0.3, -0.7, 1.1, 0.0, -0.2, 0.4])
+    zero_r, const_q = jnp.zeros(V), jnp.full((V,), jnp.log(1.3))
+    grad = bandit_grad
+    np.testing.assert_allclose(grad(logits, "k2", const_q, zero_r, 1.0), grad(logits, "k2", jnp.zeros(V), zero_r, 1.0),
+                               atol=1e-6)
+    np.testing.assert_allclose(grad(logits, "k3", const_q, zero_r, 1.0),
+                               1.3 * grad(logits, "k3", jnp.zeros(V), zero_r, 1.0), atol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------- surrogate
+
+def test_clipping_hand_numbers():
+    ratio = np.array([1.5, 0.5, 1.1, 5.0])
+    old = jnp.full((2, 4), -1.0)
+    logp = old + jnp.log(jnp.asarray(ratio))
+    mask = jnp.ones((2, 4))
+    adv = jnp.array([1.0, -1.0])
+    pg, stats = obj.policy_surrogate(logp, old, adv, mask, eps_low=0.2, eps_high=0.28)
+    np.testing.assert_allclose(pg, [[-1.28, -0.5, -1.1, -1.28], [1.5, 0.8, 1.1, 5.0]], rtol=1e-5)
+    assert float(stats["rl/clip_frac_high"]) == pytest.approx(2 / 8)  # A>0 and ratio>1.28
+    assert float(stats["rl/clip_frac_low"]) == pytest.approx(1 / 8)  # A<0 and ratio<0.8
+    assert float(stats["rl/ratio_mean"]) == pytest.approx(ratio.mean(), rel=1e-5)
+    pg_dual, _ = obj.policy_surrogate(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, dual_clip=3.0)
+    np.testing.assert_allclose(pg_dual, [[-1.28, -0.5, -1.1, -1.28], [1.5, 0.8, 1.1, 3.0]], rtol=1e-5)
+    sampler = old - jnp.log(jnp.array([[2.0, 0.5, 1.0, 20.0]] * 2))  # weights old/sampler = 2, .5, 1, 20 -> cap 4
+    pg_tis, _ = obj.policy_surrogate(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, sampler_logp_NxC=sampler,
+                                     tis_cap=4.0)
+    np.testing.assert_allclose(pg_tis, np.asarray(pg) * np.array([2.0, 0.5, 1.0, 4.0]), rtol=1e-5)
+
+
+def test_clipped_tokens_get_no_gradient():
+    old = jnp.zeros((1, 2))
+    logp = jnp.log(jnp.array([[1.5, 1.1]]))
+    g = jax.grad(lambda lp: obj.policy_surrogate(lp, old, jnp.ones(1), jnp.ones((1, 2)))[0].sum())(logp)
+    np.testing.assert_allclose(g, [[0.0, -1.1]], rtol=1e-6)
+
+
+def test_aggregation_modes_hand_numbers():
+    loss = jnp.array([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
+    mask = jnp.array([[1, 1, 1], [1, 0, 0]])
+    assert float(obj.aggregate(loss, mask, "seq-mean-token-mean")) == pytest.approx((2.0 + 4.0) / 2)
+    assert float(obj.aggregate(loss, mask, "token-mean")) == pytest.approx(10.0 / 4)
+    assert float(obj.aggregate(loss, mask, "seq-mean-token-sum-norm")) == pytest.approx((6.0 / 3 + 4.0 / 3) / 2)
+    assert float(obj.aggregate(loss, mask, "seq-mean-token-sum-norm", norm_len=10)) == pytest.approx(0.5)
+    assert float(obj.aggregate(loss, jnp.zeros_like(mask), "token-mean")) == 0.0
+    with pytest.raises(ValueError, match="aggregation"):
+        obj.aggregate(loss, mask, "sum")
+
+
+# --------------------------------------------------------------------------------------------------- loss
+
+def _random_batch(key, n=4, c=5):
+    k = jax.random.split(key, 5)
+    logp = -jax.random.uniform(k[0], (n, c), minval=0.1, maxval=3.0)
+    mask = jnp.ones((n, c)).at[1, 3:].set(0).at[3, :].set(0)
+    return logp, jax.random.uniform(k[1], (n, c), maxval=3.0), {
+        "completion_mask": mask,
+        "advantages": jax.random.normal(k[2], (n,)),
+        "old_logp": logp + 0.3 * jax.random.normal(k[3], (n, c)),
+        "ref_logp": logp + 0.5 * jax.random.normal(k[4], (n, c)),
+        "truncated": jnp.array([False, True, False, False]),
+    }
+
+
+def _plain_grpo(logp, batch, beta, eps):
+    """Independent GRPO (k3 to pi_ref, seq-mean-token-mean) written out directly."""
+    mask = np.asarray(batch["completion_mask"])
+    ratio = np.exp(np.asarray(logp - batch["old_logp"]))
+    a = np.asarray(batch["advantages"])[:, None]
+    pg = -np.minimum(ratio * a, np.clip(ratio, 1 - eps, 1 + eps) * a)
+    d = np.asarray(batch["ref_logp"] - logp)
+    per_token = pg + beta * (np.exp(d) - d - 1)
+    return np.mean((per_token * mask).sum(-1) / np.maximum(mask.sum(-1), 1))
+
+
+def test_q_one_gives_plain_grpo_loss():
+    logp, entropy, batch = _random_batch(jax.random.PRNGKey(0))
+    base = obj.LossConfig(kl_estimator="k3", beta=0.05)
+    loss_none, _ = loss_from_logprobs(logp, entropy, batch, base)
+    q_one = obj.LossConfig(kl_estimator="k3", beta=0.05, guide=guides.GuideConfig(name="branch", tau=100.0))
+    loss_branch, metrics = loss_from_logprobs(logp, entropy, batch, q_one)
+    assert float(loss_branch) == float(loss_none)
+    assert float(metrics["sage/q_max"]) == 1.0 and float(metrics["sage/q_frac_above_1"]) == 0.0
+    assert float(loss_none) == pytest.approx(_plain_grpo(logp, batch, 0.05, 0.2), rel=1e-5)
+    # and a live guide does change it
+    loss_live, metrics_live = loss_from_logprobs(logp, entropy + 100.0, batch, q_one)
+    assert float(metrics_live["sage/q_min"]) == pytest.approx(1.4) and float(loss_live) != float(loss_none)
+
+
+def test_loss_modes_mask_truncated_and_kl_in_reward():
+    logp, entropy, batch = _random_batch(jax.random.PRNGKey(1))
+    plain = obj.LossConfig(beta=0.0)
+    loss_masked, m = loss_from_logprobs(logp, entropy, batch, obj.LossConfig(beta=0.0, mask_truncated=True))
+    batch_without_row1 = dict(batch, completion_mask=batch["completion_mask"].at[1].set(0))
+    assert float(loss_masked) == pytest.approx(float(loss_from_logprobs(logp, entropy, batch_without_row1,
+                                                                            plain)[0]), rel=1e-6)
+    in_reward = obj.LossConfig(beta=0.05, kl_in_reward=True)
+    loss_r, m_r = loss_from_logprobs(logp, entropy, batch, in_reward)
+    assert float(loss_r) == pytest.approx(float(loss_from_logprobs(logp, entropy, batch, plain)[0]), rel=1e-6)
+    assert float(m_r["loss/kl"]) == 0.0 and float(m_r["rl/kl"]) > 0.0
+    _, m_k3 = loss_from_logprobs(logp, entropy, batch, obj.LossConfig(beta=0.05))
+    assert float(m_k3["loss/total"]) == pytest.approx(float(m_k3["loss/policy"] + m_k3["loss/kl"]), rel=1e-5)
+
+
+def test_loss_config_from_config_dict():
+    loss = ml_collections.ConfigDict({"kl_estimator": "k3+", "beta": 0.1, "guide": "branch", "tau": 1.0,
+                                      "eps_high": 0.28, "aggregation": "token-mean", "token_quantiles": (0.05, 0.95)})
+    cfg = obj.LossConfig.from_config(loss, total_steps=500)
+    assert cfg.kl_estimator == "k3+" and cfg.beta == 0.1 and cfg.eps_high == 0.28 and cfg.aggregation == "token-mean"
+    assert cfg.guide.name == "branch" and cfg.guide.tau == 1.0 and cfg.guide.schedule_steps == 500
+    hash(cfg)
+    with pytest.raises(ValueError, match="kl_estimator"):
+        obj.LossConfig(kl_estimator="reverse")
+    with pytest.raises(ValueError, match="dual_clip"):
+        obj.LossConfig(dual_clip=0.5)
+
+
+def test_loss_fn_jits_on_tiny_model_with_finite_grads_for_padding_row():
+    cfg = model_lib.PRESETS["tiny"].replace(num_layers=1)
+    params = jax.jit(model_lib.init_params, static_argnums=0)(cfg, jax.random.PRNGKey(0))
+    n, p, c = 4, 3, 5
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (n, p + c), 1, cfg.vocab_size)
+    prompt_mask = jnp.ones((n, p)).at[0, 0].set(0)  # row 0 is left padded
+    completion_mask = jnp.ones((n, c)).at[1, 3:].set(0).at[3, :].set(0)  # row 3 is all padding
+    tokens = tokens * jnp.concatenate([prompt_mask, completion_mask], 1).astype(tokens.dtype)
+    mask = jnp.concatenate([prompt_mask, completion_mask], 1)
+    loss_cfg = obj.LossConfig(kl_estimator="k3", beta=0.05, tis_cap=2.0, guide=guides.GuideConfig(name="token"))
+
+    @jax.jit
+    def run(params, tokens, mask, completion_mask):
+        # logp of completion token j, read off the full logits at position P + j - 1
+        logp_all = jax.nn.log_softmax(model_lib.forward(cfg, params, tokens, mask_BxT=mask), -1)
+        exact = jnp.take_along_axis(logp_all[:, p - 1:-1], tokens[:, p:, None], -1)[..., 0]
+        batch = {"tokens": tokens, "mask": mask, "completion_mask": completion_mask,
+                 "advantages": jnp.array([1.0, -1.0, 0.5, 0.0]), "ref_logp": exact, "old_logp": exact,
+                 "sampler_logp": exact, "truncated": jnp.zeros(n, bool)}
+        return jax.value_and_grad(obj.loss_fn, has_aux=True)(params, batch, cfg, loss_cfg, 3, jax.random.PRNGKey(2))
+
+    (loss, metrics), grads = run(params, tokens, mask, completion_mask)
+    assert np.isfinite(float(loss))
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree_util.tree_leaves(grads))
+    expected_keys = {"loss/policy", "rl/kl", "rl/entropy", "sage/q_mean", "sage/q_min", "sage/q_max",
+                     "sage/q_frac_above_1", "rl/clip_frac_low", "rl/clip_frac_high", "rl/ratio_mean", "rl/adv_mean",
+                     "rl/adv_std", "rl/adv_max", "rl/adv_min", "rl/response_len", "loss/total"}
+    assert expected_keys <= set(metrics) and all(np.ndim(v) == 0 for v in metrics.values())
+    # right alignment: the trainer-side logprobs match, so the ratio is 1 and the KL to pi_ref is 0
+    assert float(metrics["rl/ratio_mean"]) == pytest.approx(1.0, abs=1e-4)
+    assert float(metrics["rl/kl_ref"]) == pytest.approx(0.0, abs=1e-5)
+    assert float(metrics["rl/response_len"]) == pytest.approx((5 + 3 + 5 + 0) / 4)
+    assert float(metrics["sage/q_max"]) > 1.0

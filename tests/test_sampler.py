@@ -1,0 +1,156 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sage_jax import model, sampler, sharding
+
+CFG = model.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                        intermediate_size=64, rope_theta=10000.0)
+PROMPTS = [[5, 9, 13], [7, 1, 2, 3, 4, 8, 11], [21], [33, 34, 35, 36, 37]]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return model.init_params(CFG, jax.random.key(0), std=0.3)
+
+
+def _np(out):
+    return {k: np.asarray(v) for k, v in out._asdict().items()}
+
+
+def test_greedy_matches_transformers(tmp_path):
+    torch = pytest.importorskip("torch")
+    from sage_jax import hf_io
+    from tests.helpers_hf import tiny_hf_model
+    import transformers
+
+    path = tiny_hf_model(tmp_path / "hf", initializer_range=0.3, vocab=96)
+    cfg, params = hf_io.load_hf(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [[5, 9, 13, 40], [7, 1, 4, 8, 11, 60, 61, 62, 70], [21], [33, 34, 35, 36, 37, 38]]
+    width = max(map(len, prompts))
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = torch.tensor(p)
+        mask[b, width - len(p):] = 1
+    with torch.no_grad():
+        ref = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=32, eos_token_id=[2, 3],
+                          pad_token_id=0)[:, width:].numpy()
+    ref = np.pad(ref, ((0, 0), (0, 32 - ref.shape[1])))
+    out = _np(sampler.generate(cfg, params, prompts, max_new_tokens=32, temperature=0.0, eos_ids=(2, 3), pad_id=0))
+    np.testing.assert_array_equal(out["tokens"], ref)
+    stopped = np.isin(ref, [2, 3]).any(-1)
+    np.testing.assert_array_equal(out["finished"], stopped)
+
+
+def _recomputed_logprobs(cfg, params, out, temperature):
+    o = _np(out)
+    C = o["tokens"].shape[1]
+    comp_mask = np.arange(C)[None] < o["lengths"][:, None]
+    tokens = np.concatenate([o["prompt_tokens"], o["tokens"]], axis=1)
+    mask = np.concatenate([o["prompt_mask"], comp_mask], axis=1)
+    logits = model.forward(cfg, params, jnp.asarray(tokens), mask_BxT=jnp.asarray(mask))
+    P = o["prompt_tokens"].shape[1]
+    logp_all = jax.nn.log_softmax(logits[:, P - 1:-1] / temperature, axis=-1)
+    logp = np.take_along_axis(np.asarray(logp_all), o["tokens"][..., None], axis=-1)[..., 0]
+    return np.where(comp_mask, logp, 0.0), o["logprobs"]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_full_forward(params, temperature):
+    out = sampler.generate(CFG, params, PROMPTS, max_new_tokens=12, temperature=temperature, top_k=10, top_p=0.9,
+                           eos_ids=(3,), seed=1)
+    expected, got = _recomputed_logprobs(CFG, params, out, temperature)
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def test_greedy_logprobs_are_untempered(params):
+    out = sampler.generate(CFG, params, PROMPTS, max_new_tokens=8, temperature=0.0, eos_ids=())
+    expected, got = _recomputed_logprobs(CFG, params, out, 1.0)
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+
+
+def test_sample_frequencies_match_softmax():
+    stats = pytest.importorskip("scipy.stats")
+    logits_V = jnp.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    n, T = 20000, 0.8
+    toks, _ = sampler.sample_tokens(jnp.broadcast_to(logits_V, (n, 6)), jax.random.key(3), jnp.arange(n),
+                                    greedy=False, temperature=T)
+    counts = np.bincount(np.asarray(toks), minlength=6)
+    expected = n * np.asarray(jax.nn.softmax(logits_V / T))
+    assert stats.chisquare(counts, expected).pvalue > 1e-3
+
+
+def test_rows_and_steps_use_distinct_keys():
+    logits = jnp.zeros((2, 1000))
+    a, _ = sampler.sample_tokens(logits, jax.random.key(0), jnp.arange(2), greedy=False)
+    b, _ = sampler.sample_tokens(logits, jax.random.fold_in(jax.random.key(0), 1), jnp.arange(2), greedy=False)
+    assert a[0] != a[1] and (a != b).any()
+
+
+def test_filters_on_crafted_distribution():
+    probs = np.array([0.4, 0.3, 0.15, 0.1, 0.05])
+    logits = jnp.log(jnp.asarray(probs))[None]
+    kept = lambda **kw: np.isfinite(np.asarray(sampler.filter_logits(logits, **kw)))[0].tolist()
+    assert kept(top_k=2) == [True, True, False, False, False]
+    assert kept(top_p=0.7) == [True, True, False, False, False]  # 0.4 + 0.3 reaches 0.7
+    assert kept(top_p=0.71) == [True, True, True, False, False]
+    assert kept(top_p=0.01) == [True, False, False, False, False]
+    assert kept(min_p=0.3) == [True, True, True, False, False]  # p >= 0.12
+    assert kept(top_k=3, top_p=0.5) == [True, True, False, False, False]  # nucleus within renormalised top-3
+    assert kept(top_k=4, min_p=0.5) == [True, True, False, False, False]
+    assert all(kept())
+
+
+def test_eos_stops_rows_and_pads(params):
+    free = _np(sampler.generate(CFG, params, PROMPTS, max_new_tokens=10, temperature=0.0, eos_ids=()))
+    eos = (int(free["tokens"][0, 3]), int(free["tokens"][2, 5]))
+    out = _np(sampler.generate(CFG, params, PROMPTS, max_new_tokens=10, temperature=0.0, eos_ids=eos, pad_id=63))
+    for b in range(len(PROMPTS)):
+        hits = np.flatnonzero(np.isin(free["tokens"][b], eos))
+        n = hits[0] + 1 if len(hits) else 10
+        assert out["lengths"][b] == n and out["finished"][b] == bool(len(hits))
+        np.testing.assert_array_equal(out["tokens"][b, :n], free["tokens"][b, :n])
+        assert (out["tokens"][b, n:] == 63).all() and (out["logprobs"][b, n:] == 0).all()
+    assert out["lengths"][0] <= 4 and out["lengths"][2] <= 6
+
+
+def test_groups(params):
+    G = 3
+    greedy = _np(sampler.generate(CFG, params, PROMPTS, max_new_tokens=6, temperature=0.0, num_samples=G))
+    single = _np(sampler.generate(CFG, params, PROMPTS, max_new_tokens=6, temperature=0.0))
+    np.testing.assert_array_equal(greedy["tokens"], np.repeat(single["tokens"], G, axis=0))
+    np.testing.assert_array_equal(greedy["prompt_tokens"], np.repeat(single["prompt_tokens"], G, axis=0))
+    hot = _np(sampler.generate(CFG, params, PROMPTS, max_new_tokens=6, temperature=1.0, num_samples=G, seed=7))
+    assert hot["tokens"].shape == (len(PROMPTS) * G, 6)
+    assert len({tuple(r) for r in hot["tokens"]}) == len(hot["tokens"])
+
+
+def test_sharded_greedy_equals_single_device(params):
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (simulated) devices")
+    prompts = PROMPTS[:3]  # 3 rows: padded to a multiple of data x fsdp = 4
+    ref = _np(sampler.generate(CFG, params, prompts, max_new_tokens=8, temperature=0.0))
+    mesh = sharding.make_mesh((2, 2, 2))
+    sharded = sharding.shard_params(params, mesh, cfg=CFG)
+    out = sampler.generate(CFG, sharded, prompts, max_new_tokens=8, temperature=0.0, num_samples=2)
+    got = _np(out)
+    np.testing.assert_array_equal(got["tokens"], np.repeat(ref["tokens"], 2, axis=0))
+    np.testing.assert_allclose(got["logprobs"], np.repeat(ref["logprobs"], 2, axis=0), atol=1e-4)
+
+
+def test_one_compile_per_bucket(params):
+    before = sampler.compile_count()
+    for seed, prompts in enumerate([[[1, 2, 3], [4, 5]], [[6] * 9, [7, 8, 9, 10]], [[11] * 14, [12]]]):
+        sampler.generate(CFG, params, prompts, max_new_tokens=10 + 5 * seed, temperature=1.0, seed=seed)
+    assert sampler.compile_count() - before == 1
+
+
+def test_bench_sampler_smoke():
+    pytest.importorskip("torch")
+    from sage_jax import bench
+    rows = bench.bench_sampler(presets=("tiny",), dtype="fp32", batch=4, prompt_len=8, new_tokens=8, repeats=1,
+                               latency=False)
+    assert rows and all(r["tokens_per_s"] > 0 for r in rows)
