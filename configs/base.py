@@ -51,7 +51,7 @@ def get_config(arg=None):
 
     c.train = ml_collections.ConfigDict(dict(
         steps=1000, log_every=1, ckpt_every=50, keep_ckpts=3, eval_every=100, sample_every=10, export_hf=True,
-        reward="math", reward_workers=8, reward_timeout=10.0,
+        reward="math", reward_workers=8, reward_timeout=10.0, logprob_rows=64,
         dynamic_sampling=False, max_resample=3, overlong_buffer=0, overlong_penalty=1.0,
         use_tensorboard=True, use_wandb=False, progress=True))
 

@@ -166,8 +166,32 @@ class Checkpointer:
             log.warning("checkpoint step %d in %s is unreadable (%s); trying an older one", s, self.directory, reason)
             failures.append((s, reason))
         tried = "; ".join(f"step {s}: {r}" for s, r in failures)
-        raise CheckpointError(f"no readable checkpoint in {self.directory} (workdir {self.workdir}); tried {tried}. "
-                              f"Move the checkpoints directory away to start fresh, or repair the files.")
+        raise CheckpointError(
+            f"no readable checkpoint in {self.directory} (workdir {self.workdir}); tried {tried}. If the model or "
+            f"optimizer config changed since they were written, restore with the original config; otherwise move "
+            f"the checkpoints directory away to start fresh.")
+
+    def restore_raw(self, step: int | None = None) -> tuple[int, Any, dict[str, Any]] | None:
+        """(step, state, meta) with state as host numpy arrays in the saved structure (namedtuples come back as
+        lists); None if there is no checkpoint. For inspection and tests: every host loads every array in full."""
+        step = self.latest_step() if step is None else int(step)
+        if step is None:
+            return None
+        if step not in self.all_steps():
+            raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; available steps: "
+                                    f"{self.all_steps() or 'none'}")
+        state_dir = self.directory / str(step) / "state"
+        try:
+            with ocp.PyTreeCheckpointer() as reader:
+                metadata = reader.metadata(state_dir)
+                tree = metadata.item_metadata.tree if hasattr(metadata, "item_metadata") else metadata.tree
+                restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+                state = reader.restore(state_dir, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        except Exception as e:
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} is unreadable "
+                                  f"({_reason(e, self.directory / str(step))})") from e
+        return step, state, meta
 
     def _quarantine(self, bad_steps: list[int]) -> None:
         """Move corrupt steps out of the step listing; otherwise orbax skips saves at steps <= the corrupt one."""
@@ -177,8 +201,12 @@ class Checkpointer:
             stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
             for s in bad_steps:
                 dest = corrupt_dir / f"{s}-{stamp}"
-                (self.directory / str(s)).rename(dest)
-                log.warning("moved corrupt checkpoint step %d to %s", s, dest)
+                try:
+                    (self.directory / str(s)).rename(dest)
+                    log.warning("moved corrupt checkpoint step %d to %s", s, dest)
+                except OSError as e:
+                    log.warning("could not move corrupt checkpoint step %d to %s (%s); saves at steps <= %d will be "
+                                "skipped until it is removed", s, dest, e, s)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("sage_jax.checkpoint.quarantine")

@@ -171,8 +171,22 @@ def _attention(cfg: ModelConfig, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, allowed_BxTxS)
     return out.reshape(B, T, N, H)
 
 
+def _cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, allowed_BxTxS) -> jax.Array:
+    """Attention over a [B,K,S,H] cache: (b, k) lead both operands, so XLA:CPU runs plain batched matmuls instead
+    of transposing the whole cache every decode step."""
+    B, T, N, H = q_BxTxNxH.shape
+    K = k_BxKxSxH.shape[1]
+    q = q_BxTxNxH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).reshape(B, K, (N // K) * T, H)
+    scores = jnp.einsum("bkqh,bksh->bkqs", q, k_BxKxSxH, preferred_element_type=jnp.float32) / math.sqrt(H)
+    allowed = jnp.tile(allowed_BxTxS, (1, N // K, 1))[:, None]  # rows ordered (g, t) like q
+    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxH.dtype)
+    out = jnp.einsum("bkqs,bksh->bkqh", probs, v_BxKxSxH)
+    return out.reshape(B, K, N // K, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+
+
 def _block(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, allowed_BxTxS, kv_cache=None, cache_index=None):
-    """One decoder layer. With kv_cache=(k, v) [B,S,K,H], writes this step's keys at cache_index."""
+    """One decoder layer. With kv_cache=(k, v) [B,K,S,H], writes this step's keys at cache_index."""
     cdt = jnp.dtype(cfg.compute_dtype)
     w = lambda name: lp[name].astype(cdt)
     h = rms_norm(x_BxTxD, lp["attn_norm"], cfg.rms_norm_eps)
@@ -184,11 +198,11 @@ def _block(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, allowed_BxTxS, 
     q = constrain(q, ("batch", "seq", "heads", "head_dim"))
     q, k = rope(q, positions_BxT, cfg.rope_theta), rope(k, positions_BxT, cfg.rope_theta)
     if kv_cache is not None:
-        k_cache, v_cache = kv_cache
-        k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), cache_index, axis=1)
-        v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), cache_index, axis=1)
-        k, v, kv_cache = k_cache.astype(cdt), v_cache.astype(cdt), (k_cache, v_cache)
-    attn = _attention(cfg, q, k, v, allowed_BxTxS)
+        write = lambda c, x: jax.lax.dynamic_update_slice_in_dim(c, x.swapaxes(1, 2).astype(c.dtype), cache_index, 2)
+        kv_cache = (write(kv_cache[0], k), write(kv_cache[1], v))
+        attn = _cached_attention(q, kv_cache[0].astype(cdt), kv_cache[1].astype(cdt), allowed_BxTxS)
+    else:
+        attn = _attention(cfg, q, k, v, allowed_BxTxS)
     x_BxTxD = x_BxTxD + jnp.einsum("btnh,nhd->btd", attn, w("wo"))
     x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "act_embed"))
     h = rms_norm(x_BxTxD, lp["mlp_norm"], cfg.rms_norm_eps)
@@ -303,33 +317,48 @@ def logprobs_and_entropy(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array
 # --------------------------------------------------------------------------------------------------- KV cache
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> list[tuple[jax.Array, ...]]:
-    """One (k, v) pair per layer, each [B, max_len, KV, hd]."""
+    """One (k, v) pair per layer, each [B, KV, max_len, hd] (heads before slots: see _cached_attention)."""
     dt = jnp.dtype(dtype or cfg.compute_dtype)
-    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return [(jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(cfg.num_layers)]
 
 
 def cache_axes() -> tuple[str, ...]:
-    return ("batch", "cache_seq", "kv_heads", "head_dim")
+    return ("batch", "kv_heads", "cache_seq", "head_dim")
+
+
+def _layer_list(cfg: ModelConfig, layers) -> list[Params]:
+    if isinstance(layers, (list, tuple)):
+        return list(layers)
+    return [jax.tree.map(lambda a: a[i], layers) for i in range(cfg.num_layers)]
+
+
+def unstack_layers(cfg: ModelConfig, params: Params) -> Params:
+    """params with "layers" as a list of per-layer dicts, which forward_with_cache also accepts.
+
+    For decode loops on CPU: XLA:CPU copies a layer out of the stacked arrays on every use, so slicing once before
+    the loop saves a copy of all weights per generated token (at the cost of one extra copy held during the loop).
+    """
+    return {**params, "layers": _layer_list(cfg, params["layers"])}
 
 
 def forward_with_cache(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array,
                        cache: list, cache_index: jax.Array, kv_mask_BxS: jax.Array, return_hidden: bool = False):
     """Run T new tokens written at cache slots [cache_index, cache_index + T).
 
+    params["layers"] may be stacked or a list of per-layer dicts (unstack_layers).
     kv_mask_BxS marks which cache slots hold real tokens (after this step's tokens are added); query t may attend to
     slot s when kv_mask[b, s] and s <= cache_index + t. Returns (logits [B,T,V] fp32 or hidden, new cache).
     """
     B, T = tokens_BxT.shape
-    S = cache[0][0].shape[1]
+    S = cache[0][0].shape[2]
     slots_S = jnp.arange(S)
     query_slots_T = cache_index + jnp.arange(T)
     allowed = (slots_S[None, None, :] <= query_slots_T[None, :, None]) & kv_mask_BxS[:, None, :].astype(jnp.bool_)
     allowed = allowed | (slots_S[None, None, :] == query_slots_T[None, :, None])
     x = _embed(cfg, params, tokens_BxT)
     new_cache = []
-    for i in range(cfg.num_layers):
-        lp = jax.tree.map(lambda a: a[i], params["layers"])
+    for i, lp in enumerate(_layer_list(cfg, params["layers"])):
         x, kv = _block(cfg, lp, x, positions_BxT, allowed, kv_cache=cache[i], cache_index=cache_index)
         new_cache.append(kv)
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)

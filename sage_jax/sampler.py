@@ -47,6 +47,7 @@ class _Plan:
     use_top_p: bool
     use_min_p: bool
     mesh: Mesh | None
+    unstack_layers: bool
 
 
 _PROGRAMS: set[tuple] = set()
@@ -125,6 +126,8 @@ def _generate_program(cfg: ModelConfig, plan: _Plan, params: Params, prompt_BxP:
     B, P = prompt_BxP.shape
     G, C = plan.num_samples, plan.new_bucket
     N = B * G
+    if plan.unstack_layers:
+        params = model_lib.unstack_layers(cfg, params)
     sample = functools.partial(sample_tokens, greedy=plan.greedy, temperature=temperature, top_k=plan.top_k,
                                top_p=top_p if plan.use_top_p else None, min_p=min_p if plan.use_min_p else None)
 
@@ -134,7 +137,8 @@ def _generate_program(cfg: ModelConfig, plan: _Plan, params: Params, prompt_BxP:
     h_BxPxD, cache = model_lib.forward_with_cache(cfg, params, prompt_BxP, model_lib.default_positions(mask_BxP),
                                                   cache, 0, mask_BxP, return_hidden=True)
     logits_NxV = jnp.repeat(model_lib.logits_from_hidden(cfg, params, h_BxPxD[:, -1:])[:, 0], G, axis=0)
-    grow = lambda c: jnp.pad(jnp.repeat(c, G, axis=0), ((0, 0), (0, C)) + ((0, 0),) * (c.ndim - 2))
+    seq_axis = model_lib.cache_axes().index("cache_seq")
+    grow = lambda c: jnp.pad(jnp.repeat(c, G, axis=0), [(0, C if a == seq_axis else 0) for a in range(c.ndim)])
     cache = _constrain_cache([tuple(grow(c) for c in kv) for kv in cache])
     mask_NxP = jnp.repeat(mask_BxP, G, axis=0)
     # Causality in forward_with_cache already hides slots not yet written, so the kv mask never changes.
@@ -200,12 +204,15 @@ def _left_pad(prompts: Sequence[Sequence[int]], rows: int, width: int, pad_id: i
 def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
              eos_ids: Sequence[int] | None = None, seed: int | jax.Array = 0, num_samples: int = 1,
-             pad_id: int | None = None, mesh: Mesh | None = None) -> SampleOutput:
+             pad_id: int | None = None, mesh: Mesh | None = None, unstack_layers: bool | None = None
+             ) -> SampleOutput:
     """Sample `num_samples` completions of up to `max_new_tokens` for each prompt (lists of token ids).
 
     temperature 0 is greedy. eos_ids defaults to cfg.eos_token_ids, pad_id to cfg.pad_token_id; seed may be an int
     or a jax PRNG key. With a mesh (given, or the one params are sharded on) rows go over ("data", "fsdp") and KV
     heads over "tensor"; the batch is padded internally to a multiple of the data-parallel size.
+    unstack_layers (default: on the CPU backend only) slices the stacked layer weights once before the decode loop;
+    see model.unstack_layers.
     """
     prompts = [[int(t) for t in p] for p in prompts]
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -236,7 +243,8 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     tokens_BxP, mask_BxP = _left_pad(prompts, rows, P, pad_id)
     greedy = temperature == 0
     plan = _Plan(num_samples=G, new_bucket=C, greedy=greedy, top_k=0 if greedy or top_k >= cfg.vocab_size else top_k,
-                 use_top_p=not greedy and top_p < 1, use_min_p=not greedy and min_p > 0, mesh=mesh)
+                 use_top_p=not greedy and top_p < 1, use_min_p=not greedy and min_p > 0, mesh=mesh,
+                 unstack_layers=jax.default_backend() == "cpu" if unstack_layers is None else bool(unstack_layers))
     key = seed if isinstance(seed, jax.Array) else jax.random.key(int(seed))
 
     outputs = (np.full((N, C), pad_id, np.int32), np.zeros((N, C), np.float32))
@@ -250,11 +258,13 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
         key = jax.device_put(key, NamedSharding(mesh, PartitionSpec()))
     scalars = (np.int32(min(max_new_tokens, C)), np.int32(B * G), np.float32(temperature or 1.0),
                np.float32(top_p), np.float32(min_p), np.int32(pad_id))
-    _PROGRAMS.add((cfg, plan, rows, P, len(eos_ids), jax.tree.structure(params),
+    eos_E = np.full(max(4, 1 << max(len(eos_ids) - 1, 0).bit_length()), -1, np.int32)  # -1 never matches
+    eos_E[:len(eos_ids)] = eos_ids
+    _PROGRAMS.add((cfg, plan, rows, P, len(eos_E), jax.tree.structure(params),
                    tuple((x.shape, x.dtype) for x in jax.tree.leaves(params))))
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         tokens, logp, lengths, finished, prompt_tokens, prompt_mask = _generate_program(
-            cfg, plan, params, tokens_BxP, mask_BxP, *outputs, *scalars, np.asarray(eos_ids, np.int32), key)
+            cfg, plan, params, tokens_BxP, mask_BxP, *outputs, *scalars, eos_E, key)
     n = B * G
     return SampleOutput(tokens=tokens[:n, :max_new_tokens], lengths=lengths[:n], finished=finished[:n],
                         logprobs=logp[:n, :max_new_tokens], prompt_tokens=prompt_tokens[:n],

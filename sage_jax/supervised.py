@@ -88,9 +88,8 @@ def run_sft(config, workdir: str):
         with optim.unlocked():
             optim.lr, optim.warmup_steps, optim.schedule, optim.weight_decay = s.lr, s.warmup_steps, "cosine", 0.0
         tx, schedule = trainer.make_optimizer(optim, s.steps)
-        state = jax.jit(lambda p: trainer.init_state(p, tx))(params)
+        state, shardings = trainer.create_state(params, tx, cfg, mesh, rules)
         del params
-        shardings = jax.tree.map(lambda x: x.sharding, state)
         step_fn = trainer.make_train_step(cfg, None, tx, schedule, config.seed, 1, shardings,
                                           loss_fn=lambda p, b, c, _l, _s, _k: sft_loss(p, b, c))
         ckpt = checkpoint.Checkpointer(workdir, keep=1)

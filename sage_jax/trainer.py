@@ -7,6 +7,7 @@ The policy params are donated to train_step and read by the sampler in place; th
 from __future__ import annotations
 
 import functools
+import json
 import logging as pylogging
 import os
 import time
@@ -89,6 +90,22 @@ def init_state(params, tx) -> dict[str, Any]:
     return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
 
+def state_shardings(params, tx, cfg, mesh, rules):
+    """Shardings of the train state: optimizer moments take their param's sharding (never replicated)."""
+    param_sh = sharding.param_shardings(cfg, mesh, rules)
+    abstract = jax.eval_shape(lambda p: init_state(p, tx), params)
+    opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, abstract["opt_state"], param_sh,
+                                   transform_non_params=lambda _: sharding.replicated(mesh))
+    return {"step": sharding.replicated(mesh), "params": param_sh, "opt_state": opt_sh}
+
+
+def create_state(params, tx, cfg, mesh, rules):
+    """The train state, born sharded (params donated into it)."""
+    shardings = state_shardings(params, tx, cfg, mesh, rules)
+    state = jax.jit(lambda p: init_state(p, tx), out_shardings=shardings, donate_argnums=0)(params)
+    return state, shardings
+
+
 # --------------------------------------------------------------------------------------------------- step
 
 def make_train_step(cfg, loss_cfg: objectives.LossConfig, tx, schedule, seed: int, grad_accum: int = 1,
@@ -110,7 +127,9 @@ def make_train_step(cfg, loss_cfg: objectives.LossConfig, tx, schedule, seed: in
         if grad_accum == 1:
             (_, metrics), grads = grads_of(state["params"], arrays, rl_step, key)
         else:
-            micro = jax.tree.map(lambda a: a.reshape(grad_accum, a.shape[0] // grad_accum, *a.shape[1:]), arrays)
+            # strided split: micro-batch m holds rows m, m+A, ..., so each device keeps its own rows
+            micro = jax.tree.map(lambda a: a.reshape(a.shape[0] // grad_accum, grad_accum, *a.shape[1:]).swapaxes(0, 1),
+                                 arrays)
 
             def body(acc, mb):
                 (_, m), g = grads_of(state["params"], mb, rl_step, key)
@@ -121,7 +140,7 @@ def make_train_step(cfg, loss_cfg: objectives.LossConfig, tx, schedule, seed: in
             grads, metrics = jax.tree.map(lambda x: x / grad_accum, (grads, metrics))
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
-        metrics = dict(metrics, **{"opt/grad_norm": optax.global_norm(grads), "opt/lr": schedule(state["step"])})
+        metrics = dict(metrics, **{"opt/grad_norm": optax.tree.norm(grads), "opt/lr": schedule(state["step"])})
         return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
     if shardings is None:
@@ -129,9 +148,22 @@ def make_train_step(cfg, loss_cfg: objectives.LossConfig, tx, schedule, seed: in
     return jax.jit(train_step, donate_argnums=0, in_shardings=(shardings, None), out_shardings=(shardings, None))
 
 
+def sequence_logprobs(cfg, params, tokens_NxT, mask_NxT, *, prompt_len: int, temperature: float,
+                      rows_per_pass: int = 0):
+    """(logp, entropy) [N, C] of the completion tokens (positions prompt_len..T-1) under `params`.
+
+    With rows_per_pass, rows go through the model that many at a time (bounds the activations of a no-grad pass).
+    """
+    N = tokens_NxT.shape[0]
+    if not rows_per_pass or rows_per_pass >= N:
+        return sequence_logprobs_pass(cfg, params, tokens_NxT, mask_NxT, prompt_len=prompt_len, temperature=temperature)
+    outs = [sequence_logprobs_pass(cfg, params, tokens_NxT[i:i + rows_per_pass], mask_NxT[i:i + rows_per_pass],
+                               prompt_len=prompt_len, temperature=temperature) for i in range(0, N, rows_per_pass)]
+    return tuple(jnp.concatenate(parts) for parts in zip(*outs))
+
+
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("prompt_len", "temperature"))
-def sequence_logprobs(cfg, params, tokens_NxT, mask_NxT, *, prompt_len: int, temperature: float):
-    """(logp, entropy) [N, C] of the completion tokens (positions prompt_len..T-1) under `params`."""
+def sequence_logprobs_pass(cfg, params, tokens_NxT, mask_NxT, *, prompt_len: int, temperature: float):
     targets = jnp.concatenate([tokens_NxT[:, 1:], jnp.full_like(tokens_NxT[:, :1], cfg.pad_token_id)], axis=1)
     return model_lib.logprobs_and_entropy(cfg, params, tokens_NxT, targets, mask_BxT=mask_NxT,
                                           temperature=temperature, start=prompt_len - 1,
@@ -171,7 +203,9 @@ def run_eval(task: tasks.Task, cfg, params, config, out_dir: str, pool: RewardPo
                                   generate_fn=make_generate_fn(task, cfg, params, ev, config.rollout, config.seed),
                                   batch_problems=max(1, 256 // ev.n), progress=config.train.progress)
         results[name] = {f"pass@{k}": v for k, v in res["pass_at_k"].items()}
-    return results
+    # summary.json layout: the first eval set's pass@k at the top, every set under "datasets"
+    first = next(iter(results.values()), {})
+    return {**first, "datasets": results}
 
 
 # --------------------------------------------------------------------------------------------------- the loop
@@ -223,13 +257,11 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
             params = jax.device_put(params_override, sharding.param_shardings(cfg, mesh, rules))
         ref_cfg = cfg.replace(compute_dtype=config.model.ref_dtype)
         ref_params = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(config.model.ref_dtype), p))(params)
-        loss_cfg = objectives.LossConfig.from_config(config.loss, total_steps=tr.steps)
-        loss_cfg = _with_temperature(loss_cfg, ro_cfg.temperature)
+        loss_cfg = loss_config(config)
         updates_per_step = optim.num_iterations * optim.mini_batches
         tx, schedule = make_optimizer(optim, tr.steps * updates_per_step)
-        state = jax.jit(lambda p: init_state(p, tx))(params)
+        state, shardings = create_state(params, tx, cfg, mesh, rules)
         del params
-        shardings = jax.tree.map(lambda x: x.sharding, state)
         train_step = make_train_step(cfg, loss_cfg, tx, schedule, config.seed, optim.grad_accum, shardings)
 
         # restore
@@ -246,7 +278,7 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
                                     use_wandb=tr.use_wandb)
         late = slog.LateMetrics()
         summary_path = os.path.join(workdir, "summary.json")
-        summary = evaluation.read_json(summary_path) if os.path.exists(summary_path) else {}
+        summary = _read_summary(summary_path)
         with RewardPool(tr.reward if tr.reward else task.reward, num_workers=tr.reward_workers,
                         timeout_s=tr.reward_timeout) as pool:
             if config.eval.at_start and "before" not in summary and task.evals:
@@ -266,11 +298,11 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
                 P = ro["prompt_tokens"].shape[1]
                 put = lambda a: jax.device_put(a, sharding.data_sharding(mesh, a.ndim))
                 dev = {k: put(v) for k, v in batch.items()}
-                dev["ref_logp"], _ = sequence_logprobs(ref_cfg, ref_params, dev["tokens"], dev["mask"],
-                                                       prompt_len=P, temperature=loss_cfg.temperature)
+                no_grad = dict(prompt_len=P, temperature=loss_cfg.temperature, rows_per_pass=tr.logprob_rows)
+                dev["ref_logp"], _ = sequence_logprobs(ref_cfg, ref_params, dev["tokens"], dev["mask"], **no_grad)
                 if updates_per_step > 1 or loss_cfg.kl_in_reward:
                     dev["old_logp"], old_ent = sequence_logprobs(cfg, state["params"], dev["tokens"], dev["mask"],
-                                                                 prompt_len=P, temperature=loss_cfg.temperature)
+                                                                 **no_grad)
                 if loss_cfg.kl_in_reward:
                     dev["advantages"] = _advantages_with_kl_penalty(ro, dev, old_ent, loss_cfg, rl_step, config)
                 dev["rl_step"] = jnp.asarray(rl_step, jnp.int32)
@@ -301,7 +333,8 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
                 if tr.eval_every and done % tr.eval_every == 0 and done != tr.steps:
                     res = run_eval(task, cfg, state["params"], config, os.path.join(workdir, "eval", f"step{done}"),
                                    pool, f"step{done}")
-                    logger.log(rl_step, {f"eval/{d}/{k}": v for d, r in res.items() for k, v in r.items()})
+                    logger.log(rl_step, {f"eval/{d}/{k}": v for d, r in res["datasets"].items()
+                                         for k, v in r.items()})
             _report(late.flush(), logger, progress, last_good, workdir)
             progress.close()
             ckpt.wait()
@@ -319,8 +352,11 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
     return summary
 
 
-def _with_temperature(loss_cfg, temperature):
+def loss_config(config) -> objectives.LossConfig:
+    """LossConfig from config.loss; log-probs and entropies are of the sampling (temperature-scaled) policy."""
     import dataclasses
+    loss_cfg = objectives.LossConfig.from_config(config.loss, total_steps=config.train.steps)
+    temperature = config.rollout.temperature
     return dataclasses.replace(loss_cfg, temperature=float(temperature) if temperature > 0 else 1.0)
 
 
@@ -354,9 +390,16 @@ def _report(metrics, logger, progress, last_good, workdir):
     if metrics is None:
         return
     step, values = metrics
-    slog.check_finite(step, values, last_good, workdir=workdir)
+    slog.check_finite(step, values, last_good, workdir=os.path.join(workdir, "rl"))
     logger.log(step, values)
     progress.update(step + 1, values)
+
+
+def _read_summary(path):
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
 
 
 def _write_summary(path, summary, primary):
@@ -379,7 +422,7 @@ def run(config, workdir: str) -> dict[str, Any]:
 def format_summary(summary: dict[str, Any]) -> str:
     rows = []
     for phase in ("before", "after"):
-        for dataset, values in summary.get(phase, {}).items():
+        for dataset, values in summary.get(phase, {}).get("datasets", {}).items():
             rows.append((phase, dataset, values))
     if not rows:
         return ""

@@ -10,6 +10,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sage_jax import checkpoint as ckpt
 
+# orbax/tensorstore background threads complain after a failed (corrupt) restore; harmless here.
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+
 
 def _state(scale: float = 1.0):
     params = {"embed": jnp.arange(32.0).reshape(8, 4) * scale, "layers": {"w": jnp.ones((8, 2)) * scale}}
@@ -117,11 +120,15 @@ def test_explicit_step(tmp_path):
     _assert_tree_equal(restored, _state(1.0))
     with pytest.raises(FileNotFoundError, match="step 9"):
         c.restore(_abstract(_state()), step=9)
+    step, raw, meta = c.restore_raw()
+    assert step == 2 and meta == {"data_position": 20} and isinstance(raw["params"]["embed"], np.ndarray)
+    np.testing.assert_array_equal(raw["opt_state"][0]["mu"]["layers"]["w"], np.zeros((8, 2)))
+    np.testing.assert_array_equal(raw["params"]["embed"], np.asarray(_state(2.0)["params"]["embed"]))
 
 
 def test_empty_workdir_returns_none_and_tmp_dir_ignored(tmp_path):
     c = ckpt.Checkpointer(tmp_path)
-    assert c.restore(_abstract(_state())) is None and c.latest_step() is None
+    assert c.restore(_abstract(_state())) is None and c.restore_raw() is None and c.latest_step() is None
     c.save(1, _state())
     # a save that crashed mid-way leaves only an orbax tmp dir, which never counts as a step
     (tmp_path / "checkpoints" / "2.orbax-checkpoint-tmp-123").mkdir()

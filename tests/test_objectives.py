@@ -277,7 +277,7 @@ def test_q_one_gives_plain_grpo_loss():
     assert float(metrics["sage/q_max"]) == 1.0 and float(metrics["sage/q_frac_above_1"]) == 0.0
     assert float(loss_none) == pytest.approx(_plain_grpo(logp, batch, 0.05, 0.2), rel=1e-5)
     # and a live guide does change it
-    loss_live, metrics_live = loss_from_logprobs(logp, entropy + 100.0, batch, q_one)
+    loss_live, metrics_live = loss_from_logprobs(logp, entropy + 110.0, batch, q_one)
     assert float(metrics_live["sage/q_min"]) == pytest.approx(1.4) and float(loss_live) != float(loss_none)
 
 

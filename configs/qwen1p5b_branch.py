@@ -1,0 +1,17 @@
+"""GRPO + Branch on Qwen2.5-1.5B (a smaller model; paper: SAGE helps at this scale too).
+
+    python -m sage_jax.train --config configs/qwen1p5b_branch.py --workdir gs://BUCKET/qwen1p5b_branch \
+        --config.model.path=/path/to/Qwen2.5-1.5B
+
+Hardware: TPU v5p-16 or 8 x H100. Expect pass@1 and pass@k at or above the GRPO arm (--config.loss.guide=none).
+"""
+
+from configs import qwen7b_branch
+
+
+def get_config(arg=None):
+    c = qwen7b_branch.get_config(arg)
+    c.model.update(path="checkpoints/Qwen2.5-1.5B", remat=False)
+    c.mesh.shape = (1, -1, 2)
+    c.optim.grad_accum = 4
+    return c

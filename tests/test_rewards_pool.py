@@ -1,0 +1,95 @@
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from sage_jax.rewards.pool import RewardPool, resolve
+
+
+def echo_or_hang(completion, gold):
+    """Test-only reward: hangs on "HANG", raises on "RAISE", dies on "EXIT", else 1.0 iff completion == gold."""
+    if completion == "HANG":
+        while True:
+            pass
+    if completion == "RAISE":
+        raise RuntimeError("checker bug")
+    if completion == "EXIT":
+        os._exit(3)
+    if completion == "JAX?":
+        return float("jax" in sys.modules)
+    return float(completion == gold)
+
+
+def test_resolve():
+    assert resolve("math") == "sage_jax.rewards.math:score"
+    assert resolve("countdown") == "sage_jax.rewards.countdown:score"
+    assert resolve(echo_or_hang).endswith(":echo_or_hang")
+    with pytest.raises(ValueError, match="unknown reward"):
+        resolve("nope")
+    with pytest.raises(ValueError, match="module-level"):
+        resolve(lambda c, g: 0.0)
+    with pytest.raises(ValueError, match="cannot load"):
+        RewardPool("no.such.module:fn", num_workers=0)
+
+
+def test_hang_is_killed_and_others_score():
+    limit = 1.0
+    with RewardPool(echo_or_hang, num_workers=2, timeout_s=limit) as pool:
+        pool.score(["a"], ["a"])  # wait for start-up so the timing below measures scoring only
+        completions = ["a", "HANG", "b", "x", "RAISE", "c", "EXIT", "d", "JAX?"]
+        golds = ["a", "", "b", "y", "", "c", "", "d", ""]
+        start = time.monotonic()
+        rewards = pool.score(completions, golds)
+        elapsed = time.monotonic() - start
+        assert rewards.dtype == np.float32
+        np.testing.assert_array_equal(rewards, [1, 0, 1, 0, 0, 1, 0, 1, 0])
+        assert elapsed < limit + 8.0  # one hang costs one limit; restarts happen alongside the other worker
+        assert pool.stats["timeouts"] == 1 and pool.stats["errors"] == 2 and pool.stats["restarts"] == 2
+        # The replaced workers serve the next batch.
+        np.testing.assert_array_equal(pool.score(["p", "q"], ["p", "z"]), [1, 0])
+
+
+def test_inline_pool_soft_timeout():
+    with RewardPool(echo_or_hang, num_workers=0, timeout_s=0.3) as pool:
+        start = time.monotonic()
+        rewards = pool.score(["a", "HANG", "RAISE", "b"], ["a", "", "", "c"])
+        assert time.monotonic() - start < 3.0
+        np.testing.assert_array_equal(rewards, [1, 0, 0, 0])
+        assert pool.stats["timeouts"] == 1 and pool.stats["errors"] == 1
+
+
+def test_math_and_kk_by_name():
+    from sage_jax.rewards import kk
+
+    puzzle = kk.generate_puzzle(3, 0)
+    good = "<answer>" + puzzle["solution_text_format"] + "</answer>"
+    with RewardPool("math", num_workers=2, timeout_s=10.0) as pool:
+        rewards = pool.score(["\\boxed{\\dfrac12}", "\\boxed{3}", "\\boxed{10^{10^{10^{10}}}}", "nothing"],
+                             ["0.5", "4", "1", "1"])
+        np.testing.assert_array_equal(rewards, [1, 0, 0, 0])
+    with RewardPool("kk", num_workers=1, timeout_s=10.0) as pool:
+        rewards = pool.score([good, "<answer></answer>"], [kk.parse_row(puzzle)] * 2)
+        np.testing.assert_array_equal(rewards, [1, 0])
+
+
+def test_score_from_threads_and_errors():
+    with RewardPool(echo_or_hang, num_workers=1, timeout_s=5.0) as pool:
+        with pytest.raises(ValueError, match="golds"):
+            pool.score(["a"], [])
+        results = {}
+
+        def work(k):
+            results[k] = pool.score([str(k), "z"], [str(k), "y"])
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for k in range(3):
+            np.testing.assert_array_equal(results[k], [1, 0])
+    with pytest.raises(ValueError, match="closed"):
+        pool.score(["a"], ["a"])
