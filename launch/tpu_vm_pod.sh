@@ -52,7 +52,7 @@ Options (environment variable in brackets; a flag wins over the variable):
                            v2-alpha-tpuv5 (v5p), v2-alpha-tpuv5-lite (v5e), v2-alpha-tpuv6e (v6e) [RUNTIME_VERSION]
   --spot                   create a Spot (preemptible) slice [SPOT=1]
   --bucket BUCKET          gs:// bucket for run workdirs; the workdir is gs://BUCKET/RUN_NAME [BUCKET]
-  --config FILE            training config, relative to the project root, e.g. configs/sage_branch.py [CONFIG]
+  --config FILE            training config, relative to the project root, e.g. configs/qwen7b_branch.py [CONFIG]
   --workdir gs://...       workdir for the run instead of gs://BUCKET/RUN_NAME [WORKDIR]
   --run-name NAME          run (log and workdir) name; default CONFIGNAME-YYYYmmdd-HHMMSS; reuse one to resume [RUN_NAME]
   --env KEY=VALUE          environment variable for the training processes (repeatable)
@@ -71,7 +71,7 @@ Example:
   export TPU_NAME=sage-v5p ZONE=us-east5-a ACCEL_TYPE=v5p-64 BUCKET=my-bucket
   launch/tpu_vm_pod.sh create --spot
   launch/tpu_vm_pod.sh setup
-  launch/tpu_vm_pod.sh run --config configs/sage_branch.py -- --config.trainer.num_steps=500
+  launch/tpu_vm_pod.sh run --config configs/qwen7b_branch.py -- --config.train.steps=500
   launch/tpu_vm_pod.sh logs
   launch/tpu_vm_pod.sh delete
 EOF
@@ -265,7 +265,7 @@ cmd_setup() {
 }
 
 cmd_run() {
-  require CONFIG --config "e.g. configs/sage_branch.py"
+  require CONFIG --config "e.g. configs/qwen7b_branch.py"
   if [[ -z $RUN_NAME ]]; then
     RUN_NAME="$(basename "${CONFIG%%:*}" .py)-$(date +%Y%m%d-%H%M%S)"
   fi

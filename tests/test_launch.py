@@ -136,14 +136,14 @@ def test_setup_dry_run_copies_then_bootstraps_every_worker():
 
 
 def test_run_dry_run_starts_training_on_all_workers():
-    out = dry("run", "--config", "configs/sage_branch.py", "--run-name", "r1", "--config.loss.beta=0.01",
-              "--", "--config.trainer.num_steps=5")
+    out = dry("run", "--config", "configs/qwen7b_branch.py", "--run-name", "r1", "--config.loss.beta=0.01",
+              "--", "--config.train.steps=5")
     assert "tpu-vm ssh sage-test" in out and "--worker=all" in out
-    assert ".venv/bin/python -m sage_jax.train --config configs/sage_branch.py --workdir gs://my-bucket/r1" in out
-    assert "--config.loss.beta=0.01 --config.trainer.num_steps=5" in out
+    assert ".venv/bin/python -m sage_jax.train --config configs/qwen7b_branch.py --workdir gs://my-bucket/r1" in out
+    assert "--config.loss.beta=0.01 --config.train.steps=5" in out
     assert "nohup" in out and "> logs/r1.log" in out
     # a default run name from the config and a timestamp; an explicit workdir wins over the bucket
-    assert "--workdir gs://my-bucket/sage_branch-" in dry("run", "--config", "configs/sage_branch.py")
+    assert "--workdir gs://my-bucket/qwen7b_branch-" in dry("run", "--config", "configs/qwen7b_branch.py")
     explicit = dry("run", "--config", "configs/x.py", "--workdir", "gs://other/run7", BUCKET="")
     assert "--workdir gs://other/run7" in explicit and "my-bucket" not in explicit
 
@@ -336,13 +336,13 @@ def slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def test_slurm_sets_coordinator_and_ranks(tmp_path):
-    result = sh(SBATCH, "--config.trainer.num_steps=5", env=slurm_env(tmp_path))
+    result = sh(SBATCH, "--config.train.steps=5", env=slurm_env(tmp_path))
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     srun = next(line for line in lines if line.startswith("srun "))
     assert "--ntasks=2" in srun and "--ntasks-per-node=1" in srun and "--kill-on-bad-exit=1" in srun
     tasks = [line for line in lines if line.startswith("task ")]
-    expected_args = "-m sage_jax.train --config configs/tiny.py --workdir /shared/runs/a b --config.trainer.num_steps=5"
+    expected_args = "-m sage_jax.train --config configs/tiny.py --workdir /shared/runs/a b --config.train.steps=5"
     assert tasks == [f"task {rank}/2 coordinator=gpu-node07:31234 args={expected_args}" for rank in (0, 1)]
 
 

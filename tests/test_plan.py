@@ -79,10 +79,9 @@ with jax.set_mesh(mesh), sharding.use_rules(rules):
     shard_sum = sum(int(np.prod(sh.shard_shape(x.shape))) * x.dtype.itemsize for x, sh in zip(
         jax.tree.leaves(params), jax.tree.leaves(sharding.param_shardings(cfg, mesh, rules))))
     tx, schedule = trainer.make_optimizer(config.optim, config.train.steps)
-    state = jax.jit(lambda p: trainer.init_state(p, tx))(params)
+    state, shardings = trainer.create_state(jax.tree.map(jnp.copy, params), tx, cfg, mesh, rules)
     loss_cfg = dataclasses.replace(objectives.LossConfig.from_config(config.loss, config.train.steps), temperature=1.0)
-    step = trainer.make_train_step(cfg, loss_cfg, tx, schedule, config.seed, config.optim.grad_accum,
-                                   jax.tree.map(lambda x: x.sharding, state))
+    step = trainer.make_train_step(cfg, loss_cfg, tx, schedule, config.seed, config.optim.grad_accum, shardings)
     put = lambda a: jax.device_put(a, sharding.data_sharding(mesh, a.ndim))
     batch = {"tokens": put(np.zeros((N, P + C), np.int32)), "mask": put(np.ones((N, P + C), np.int32)),
              "completion_mask": put(np.ones((N, C), np.float32)), "advantages": put(np.zeros(N, np.float32)),
@@ -92,7 +91,7 @@ with jax.set_mesh(mesh), sharding.use_rules(rules):
     train = stats(step.lower(state, batch).compile())
     ref_cfg = cfg.replace(compute_dtype=config.model.ref_dtype)
     ref_params = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(config.model.ref_dtype), p))(params)
-    ref = stats(trainer.sequence_logprobs.lower(ref_cfg, ref_params, batch["tokens"], batch["mask"], prompt_len=P,
+    ref = stats(trainer.sequence_logprobs_pass.lower(ref_cfg, ref_params, batch["tokens"], batch["mask"], prompt_len=P,
                                                 temperature=1.0).compile())
 print(json.dumps({"params_device0": on_device0(params), "params_shard_sum": shard_sum,
                   "opt_device0": on_device0(state["opt_state"]) + on_device0(state["step"]),
