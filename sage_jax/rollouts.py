@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sage_jax import sampler, tasks
+from sage_jax import sampler, sharding, tasks
 from sage_jax.tokenizer import bucket_length
 
 COMPLETION_BUCKETS = tuple(32 * 2 ** i for i in range(12))
@@ -20,7 +20,7 @@ def rollout(task: tasks.Task, cfg, params, examples, rollout_cfg, key, max_promp
                            temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
                            min_p=rollout_cfg.min_p, eos_ids=cfg.eos_token_ids, seed=key,
                            num_samples=rollout_cfg.group_size, pad_id=cfg.pad_token_id)
-    out = jax.device_get(out)
+    out = sharding.to_host(out)  # every process gets all rows (all-gathered across hosts)
     G = rollout_cfg.group_size
     lengths = np.asarray(out.lengths)
     texts = [task.tokenizer.decode(row[:n]) for row, n in zip(np.asarray(out.tokens), lengths)]

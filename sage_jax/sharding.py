@@ -190,3 +190,35 @@ def host_local_batch(global_batch: np.ndarray, process_index: int | None = None,
         raise ValueError(f"global batch of {n} rows does not split over {pc} processes")
     per = n // pc
     return global_batch[pi * per:(pi + 1) * per]
+
+
+def to_host(tree: Any) -> Any:
+    """Device arrays -> numpy. Arrays spread over several processes are all-gathered (every process gets all)."""
+    from jax.experimental import multihost_utils
+
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+            return np.asarray(jax.device_get(x))
+        return np.array(multihost_utils.process_allgather(x, tiled=True))
+    return jax.tree.map(one, tree)
+
+
+def allgather_rows(local: np.ndarray) -> np.ndarray:
+    """Concatenate every process's rows in process order (identity on one process)."""
+    if jax.process_count() == 1:
+        return local
+    from jax.experimental import multihost_utils
+    return np.array(multihost_utils.process_allgather(local, tiled=True))  # a writable copy
+
+
+def local_rows(n: int) -> slice:
+    """The contiguous share of n rows this process feeds (and scores)."""
+    pc, pi = jax.process_count(), jax.process_index()
+    if n % pc:
+        raise ValueError(f"{n} rows do not split over {pc} processes; make the batch a multiple of the process count")
+    return slice(pi * n // pc, (pi + 1) * n // pc)
+
+
+def global_batch(local: np.ndarray, mesh: Mesh) -> jax.Array:
+    """Assemble a [N, ...] array sharded over data x fsdp from each process's local rows."""
+    return jax.make_array_from_process_local_data(data_sharding(mesh, local.ndim), local)

@@ -185,7 +185,7 @@ def make_generate_fn(task: tasks.Task, cfg, params, eval_cfg, rollout_cfg, seed:
                                top_p=eval_cfg.top_p, min_p=eval_cfg.min_p, eos_ids=cfg.eos_token_ids,
                                seed=jax.random.fold_in(jax.random.key(seed), calls[0]), num_samples=n,
                                pad_id=cfg.pad_token_id)
-        tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+        tokens, lengths = sharding.to_host((out.tokens, out.lengths))
         texts = [task.tokenizer.decode(t[:l]) for t, l in zip(tokens, lengths)]
         return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
     return generate_fn
@@ -220,9 +220,11 @@ def _rl_step_data(task, cfg, params, config, rl_step, pool, loss_cfg):
                                     B, config.seed)
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.seed), rl_step), attempt)
         ro = rollouts.rollout(task, cfg, params, examples, ro_cfg, key, config.data.max_prompt_len)
-        ro["rewards"] = pool.score(ro["texts"], ro["golds"]).astype(np.float32)
+        # each process scores its own share of the rows; everyone gets all rewards back
+        mine = sharding.local_rows(len(ro["texts"]))
+        ro["rewards"] = sharding.allgather_rows(pool.score(ro["texts"][mine], ro["golds"][mine]).astype(np.float32))
         ro["correct"] = (ro["rewards"] >= 1.0).astype(np.float32)
-        ro["rewards"] += rollouts.overlong_penalty(ro["lengths"], ro_cfg.max_new_tokens, tr.overlong_buffer,
+        ro["rewards"] = ro["rewards"] + rollouts.overlong_penalty(ro["lengths"], ro_cfg.max_new_tokens, tr.overlong_buffer,
                                                    tr.overlong_penalty)
         parts.append(ro)
         if not tr.dynamic_sampling:
@@ -296,8 +298,8 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
                                                   ddof=loss_cfg.std_ddof, estimator=loss_cfg.adv_estimator)
                 batch = rollouts.build_batch(ro, np.asarray(adv), cfg.pad_token_id, ro_cfg.max_new_tokens)
                 P = ro["prompt_tokens"].shape[1]
-                put = lambda a: jax.device_put(a, sharding.data_sharding(mesh, a.ndim))
-                dev = {k: put(v) for k, v in batch.items()}
+                mine = sharding.local_rows(batch["tokens"].shape[0])  # this process feeds its share
+                dev = {k: sharding.global_batch(v[mine], mesh) for k, v in batch.items()}
                 no_grad = dict(prompt_len=P, temperature=loss_cfg.temperature, rows_per_pass=tr.logprob_rows)
                 dev["ref_logp"], _ = sequence_logprobs(ref_cfg, ref_params, dev["tokens"], dev["mask"], **no_grad)
                 if updates_per_step > 1 or loss_cfg.kl_in_reward:
@@ -305,7 +307,7 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
                                                                  **no_grad)
                 if loss_cfg.kl_in_reward:
                     dev["advantages"] = _advantages_with_kl_penalty(ro, dev, old_ent, loss_cfg, rl_step, config)
-                dev["rl_step"] = jnp.asarray(rl_step, jnp.int32)
+                dev["rl_step"] = np.int32(rl_step)
                 t1 = time.perf_counter()
                 for _ in range(optim.num_iterations):
                     for mb in _mini_batches(dev, optim.mini_batches, ro_cfg.group_size, rl_step):
@@ -370,7 +372,7 @@ def _mini_batches(dev, n_mb: int, group_size: int, rl_step: int):
         raise ValueError(f"optim.mini_batches={n_mb} must divide the {N // group_size} prompt groups per step")
     groups = np.random.default_rng(rl_step).permutation(N // group_size).reshape(n_mb, -1)
     for g in groups:
-        rows = jnp.asarray((g[:, None] * group_size + np.arange(group_size)).reshape(-1))
+        rows = (g[:, None] * group_size + np.arange(group_size)).reshape(-1)
         yield {k: (v if v.ndim == 0 else v[rows]) for k, v in dev.items()}
 
 

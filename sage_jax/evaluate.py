@@ -1,0 +1,467 @@
+"""python -m sage_jax.evaluate --model DIR --datasets aime24,aime25,amc23,math500 --n 256 --k 1,4,16,64,256
+
+Samples n completions per problem from a Hugging Face model directory or a training workdir, scores them in a reward
+process pool and writes the unbiased pass@k per dataset (OUT/<dataset>/{results.json, results.md, pass_at_k.png,
+samples.jsonl}) and over all of them (OUT/summary.json, OUT/summary.md, OUT/pass_at_k.png; "average" is the mean of
+the per-dataset values). Rerunning the same command resumes: problems already in a samples.jsonl are not sampled
+again, and a finished run only rewrites the tables without loading the model.
+
+--model: an HF directory (config.json + *.safetensors + tokenizer files), or a training workdir: its hf_export/ if
+present (or --step S: that RL checkpoint), else the newest checkpoint under WORKDIR/rl, rebuilt from WORKDIR/config.json.
+Datasets: registered names (math500, aime24, aime25, amc23, gsm8k, kk, kk:people5, ...), local .jsonl/.parquet files
+or folders, countdown and countdown_ood (regenerated as the training run made them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import sys
+import zlib
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from sage_jax import cli, evaluation
+
+COUNTDOWN_SETS = {"countdown": "test", "countdown_ood": "test_ood"}
+DEFAULT_OUT_ROOT = "eval"
+SETTINGS_FILE = "eval_settings.json"
+
+
+@dataclasses.dataclass
+class ModelSource:
+    kind: str  # "hf" (a safetensors directory) or "checkpoint" (an RL checkpoint of a training workdir)
+    path: Path  # the HF directory, or the workdir
+    step: int | None = None  # checkpoint step
+    run_config: Any = None  # the training run's ConfigDict when known (workdir/config.json)
+    workdir: Path | None = None
+
+
+# ------------------------------------------------------------------------------------------------ flags
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="pass@k of a model on evaluation sets (resumable).")
+    p.add_argument("--model", required=True, help="HF model directory or training workdir")
+    p.add_argument("--datasets", default="aime24,aime25,amc23,math500", help="comma-separated names or paths")
+    p.add_argument("--n", type=int, default=256, help="samples per problem")
+    p.add_argument("--k", default="", help="comma-separated k values (default 1, 2, 4, ..., n)")
+    p.add_argument("--out", default="", help="output folder (default WORKDIR/eval/<source> or ./eval/<model name>)")
+    p.add_argument("--data-dir", default="", help="folder holding math500/, aime24/, ... (default: loaders')")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=int, default=3072)
+    p.add_argument("--template", default="", help="prompt template (default: qwen_math_boxed; plain for countdown)")
+    p.add_argument("--limit", type=int, default=0, help="only the first N problems of each dataset (0 = all)")
+    p.add_argument("--batch-problems", type=int, default=0, help="problems per sampler call (default max-rows // n)")
+    p.add_argument("--max-rows", type=int, default=256, help="decode rows per sampler call (bounds the KV cache)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--data-seed", type=int, default=None, help="countdown generator seed (default: the run's seed)")
+    p.add_argument("--mesh", default="1,-1,1", help="data,fsdp,tensor mesh shape (one may be -1)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="params and compute dtype (default: the run's compute dtype, else bfloat16)")
+    p.add_argument("--task", choices=("math", "kk", "countdown"), default=None,
+                   help="tokenizer and reward family (default: the run's task, else from the dataset names)")
+    p.add_argument("--tokenizer", default="", help="tokenizer directory when the model directory has none")
+    p.add_argument("--step", type=int, default=None, help="workdir: evaluate this RL checkpoint step")
+    p.add_argument("--reward-workers", type=int, default=min(8, os.cpu_count() or 1),
+                   help="reward worker processes (0 = score in this process)")
+    p.add_argument("--reward-timeout", type=float, default=10.0, help="seconds per scored completion")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def parse_ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected comma-separated integers such as 1,4,16") from None
+
+
+def check_ks(ks: Sequence[int], n: int) -> list[int]:
+    if n < 1:
+        raise ValueError(f"--n {n}: need at least one sample per problem")
+    if any(k < 1 for k in ks):
+        raise ValueError(f"--k {','.join(map(str, ks))}: every k must be >= 1")
+    too_big = [k for k in ks if k > n]
+    if too_big:
+        raise ValueError(f"--k {','.join(map(str, too_big))} larger than --n {n}: pass@k needs at least k samples "
+                         f"per problem; raise --n or drop those k")
+    return sorted(set(ks))
+
+# ------------------------------------------------------------------------------------------------ model source
+
+
+def _has_weights(path: Path) -> bool:
+    return any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").exists()
+
+
+def read_run_config(workdir: Path) -> Any:
+    """The training run's config (written by MetricsLogger as WORKDIR/config.json), or None."""
+    import ml_collections
+    path = workdir / "config.json"
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    return ml_collections.ConfigDict(data) if isinstance(data, dict) and "model" in data and "data" in data else None
+
+
+def resolve_model(model: str, step: int | None = None) -> ModelSource:
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist; pass an HF model directory or a training "
+                                "workdir to --model")
+    run_config = read_run_config(path)
+    if run_config is not None:  # a training workdir
+        export = path / "hf_export"
+        if step is None and (export / "config.json").is_file() and _has_weights(export):
+            return ModelSource("hf", export, run_config=run_config, workdir=path)
+        steps = checkpoint_steps(path / "rl")
+        if not steps:
+            raise FileNotFoundError(f"workdir {path} has neither hf_export/ nor checkpoints under {path / 'rl'}; "
+                                    "train first or pass an HF model directory")
+        if step is not None and step not in steps:
+            raise FileNotFoundError(f"--step {step}: no such checkpoint in {path / 'rl'}; available steps: {steps}")
+        return ModelSource("checkpoint", path, step if step is not None else steps[-1], run_config, path)
+    if step is not None:
+        raise ValueError(f"--step needs a training workdir; {path} has no run config.json")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: pass an HF model directory (config.json + *.safetensors"
+                                " + tokenizer files) or a training workdir")
+    if not _has_weights(path):
+        raise FileNotFoundError(f"no *.safetensors weights in {path}; convert the checkpoint to safetensors or pass "
+                                "another model directory")
+    parent = path.parent  # WORKDIR/hf_export given directly: the run config sits one level up
+    parent_config = read_run_config(parent) if path.name == "hf_export" else None
+    return ModelSource("hf", path, run_config=parent_config, workdir=parent if parent_config is not None else None)
+
+
+def checkpoint_steps(rl_dir: Path) -> list[int]:
+    """Finished checkpoint steps (orbax renames a step folder into place only once it is complete)."""
+    ckpt_dir = rl_dir / "checkpoints"
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit() and (p / "state").is_dir())
+
+
+def default_out(source: ModelSource) -> Path:
+    if source.workdir is not None:
+        return source.workdir / "eval" / ("hf_export" if source.kind == "hf" else f"step{source.step}")
+    return Path(DEFAULT_OUT_ROOT) / source.path.resolve().name
+
+# ------------------------------------------------------------------------------------------------ task, data
+
+
+def infer_task(task: str | None, source: ModelSource, names: Sequence[str]) -> str:
+    if task:
+        return task
+    if source.run_config is not None:
+        return str(source.run_config.data.task)
+    bases = {n.partition(":")[0] for n in names}
+    if bases <= set(COUNTDOWN_SETS):
+        return "countdown"
+    return "kk" if bases == {"kk"} else "math"
+
+
+def template_for(reward: str, flag: str, task: str, run_config: Any) -> str:
+    if flag:
+        return flag
+    if reward == "countdown":
+        return "plain"  # countdown prompts are complete as generated
+    return str(run_config.data.template) if run_config is not None and task != "countdown" else "qwen_math_boxed"
+
+
+def reward_for(name: str, task: str) -> str:
+    base = name.partition(":")[0]
+    if base in COUNTDOWN_SETS:
+        return "countdown"
+    if base == "kk":
+        return "kk"
+    if task == "countdown":
+        raise ValueError(f"dataset {name!r} does not suit a countdown model (character tokenizer); evaluate it on "
+                         "countdown or countdown_ood")
+    return "kk" if task == "kk" else "math"
+
+
+def out_name(name: str) -> str:
+    if os.sep in name or name.endswith((".jsonl", ".json", ".parquet")):
+        name = Path(name).stem if Path(name).suffix else Path(name).name
+    return name.replace(":", "_")
+
+
+def load_examples(name: str, data_dir: str, limit: int, run_config: Any, data_seed: int) -> list[Any]:
+    """Examples of one dataset; countdown sets are regenerated as sage_jax.tasks.build made them for the run."""
+    from sage_jax.data import loaders
+    base, _, split = name.partition(":")
+    if base in COUNTDOWN_SETS:
+        d = run_config.data if run_config is not None else None
+        if d is None:
+            examples = loaders.load_dataset("countdown", COUNTDOWN_SETS[base], seed=data_seed)
+        elif base == "countdown":
+            examples = loaders.load_dataset("countdown", "test", num_examples=d.num_eval, seed=data_seed,
+                                            num_train=d.num_train, high=d.max_number)
+        else:
+            examples = loaders.load_dataset("countdown", "test_ood", num_examples=min(d.num_eval, 100),
+                                            seed=data_seed, high=min(d.max_number, 12))
+    else:
+        examples = loaders.load_dataset(base if split else name, split or "test", data_dir=data_dir or None)
+    if not examples:
+        raise ValueError(f"dataset {name!r} has no problems")
+    return examples[:limit] if limit else examples
+
+# ------------------------------------------------------------------------------------------------ tokenizer, model
+
+
+def load_tokenizer(source: ModelSource, task: str, tokenizer_dir: str = "") -> Any:
+    if task == "countdown":
+        from sage_jax.tasks import _CountdownTok
+        return _CountdownTok()
+    from sage_jax.tokenizer import Tokenizer
+    candidates = [tokenizer_dir] if tokenizer_dir else []
+    if source.kind == "hf":
+        candidates.append(str(source.path))
+    if source.run_config is not None:
+        candidates += [source.run_config.tokenizer_path, source.run_config.model.path]
+    tok_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+    for c in candidates:
+        if c and any((Path(c).expanduser() / f).exists() for f in tok_files):
+            return Tokenizer.from_pretrained(c)
+    raise FileNotFoundError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {candidates or [source.path]}"
+                            "; pass --tokenizer DIR")
+
+
+def restore_checkpoint_params(rl_dir: Path, step: int, abstract_params: Any, dtype: str) -> Any:
+    """Only the params of an RL checkpoint, read straight onto their shardings. Read-only: unlike
+    checkpoint.Checkpointer it never cleans up temporary folders, so a run still training there is left alone."""
+    import jax
+    import orbax.checkpoint as ocp
+    state_dir = (rl_dir / "checkpoints" / str(step) / "state").resolve()
+    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
+                                                               dtype=np.dtype(dtype)), abstract_params)
+    try:
+        with ocp.PyTreeCheckpointer() as reader:
+            state = reader.restore(state_dir, args=ocp.args.PyTreeRestore(
+                item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True))
+    except Exception as e:  # orbax / tensorstore raise many types for a missing or mismatched file
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ValueError(f"cannot read the params of checkpoint step {step} in {rl_dir} ({type(e).__name__}: "
+                         f"{first}); the workdir's config.json must be the one that run was trained with") from None
+    return state["params"]
+
+
+def load_model(source: ModelSource, tokenizer: Any, dtype: str, mesh: Any, rules: Any) -> tuple[Any, Any]:
+    """(cfg, params) on the mesh, in `dtype`, with the tokenizer's stop and pad ids."""
+    import jax
+    import jax.numpy as jnp
+    from sage_jax import hf_io, sharding, trainer
+    from sage_jax import model as model_lib
+    if source.kind == "hf":
+        cfg, params = model_lib.load_hf(source.path, dtype=jnp.dtype(dtype), mesh=mesh, rules=rules)
+    else:
+        config = source.run_config
+        base = None
+        if config.model.path:
+            hf_config = Path(config.model.path).expanduser() / "config.json"
+            if not hf_config.is_file():
+                raise FileNotFoundError(f"the run started from {config.model.path}, whose config.json is needed to "
+                                        "rebuild the model shape; make it available at that path")
+            base = hf_io.config_from_hf(json.loads(hf_config.read_text()))
+        cfg = trainer.model_config(config, vocab_size=getattr(tokenizer, "vocab_size", None), base=base)
+        cfg = cfg.replace(param_dtype=dtype)
+        shardings = sharding.param_shardings(cfg, mesh, rules)
+        shapes = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
+        abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+        params = restore_checkpoint_params(source.path / "rl", source.step, abstract, dtype)
+    cfg = cfg.replace(param_dtype=dtype, compute_dtype=dtype, eos_token_ids=tuple(tokenizer.eos_ids),
+                      pad_token_id=int(tokenizer.pad_id))
+    return cfg, params
+
+# ------------------------------------------------------------------------------------------------ sampling, scoring
+
+
+def make_generate_fn(cfg: Any, params: Any, decode: Callable[[Any], str], sampling: dict[str, Any], seed: int,
+                     max_rows: int) -> Callable[..., list[list[str]]]:
+    """generate_fn(prompt_token_lists, n, pad_to=0) -> n texts per prompt, for evaluation.evaluate.
+
+    A short batch is padded to pad_to prompts and the n samples are drawn in equal chunks of at most max_rows rows,
+    so one compiled program serves a whole dataset. The key comes from the prompts themselves: a resumed or re-run
+    batch draws the same samples whatever ran before it.
+    """
+    import jax
+    from sage_jax import sampler
+
+    def generate_fn(prompts: list[list[int]], n: int, pad_to: int = 0) -> list[list[str]]:
+        B = max(pad_to, len(prompts))
+        padded = list(prompts) + [prompts[0]] * (B - len(prompts))
+        per_call = max([d for d in range(1, n + 1) if n % d == 0 and d * B <= max_rows] or [1])
+        digest = zlib.crc32(np.concatenate([np.asarray(p, np.int64) for p in prompts] + [np.asarray([n])]).tobytes())
+        key = jax.random.fold_in(jax.random.key(seed), digest & 0x7FFFFFFF)
+        texts: list[list[str]] = [[] for _ in prompts]
+        for chunk in range(n // per_call):
+            out = sampler.generate(cfg, params, padded, num_samples=per_call, seed=jax.random.fold_in(key, chunk),
+                                   eos_ids=cfg.eos_token_ids, pad_id=cfg.pad_token_id, **sampling)
+            tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+            for i in range(len(prompts)):
+                rows = range(i * per_call, (i + 1) * per_call)
+                texts[i] += [decode(tokens[r, :lengths[r]]) for r in rows]
+        return texts
+    return generate_fn
+
+
+def _gold_key(gold: Any) -> str:
+    return json.dumps(gold, sort_keys=True, default=str)
+
+
+class PooledScorer:
+    """Scores each generated batch in one RewardPool call (the workers run in parallel); evaluation.evaluate then
+    asks for rewards one completion at a time and gets them from here. Anything not pre-scored is scored alone."""
+
+    def __init__(self, pool: Any, gold: Callable[[Any], Any], examples: Sequence[Any],
+                 prompt_ids: Callable[[Any], list[int]]):
+        self.pool, self.gold = pool, gold
+        self.golds_by_prompt: dict[tuple[int, ...], dict[str, Any]] = {}
+        for ex in examples:
+            g = gold(ex)
+            self.golds_by_prompt.setdefault(tuple(prompt_ids(ex)), {})[_gold_key(g)] = g
+        self.cache: dict[tuple[str, str], float] = {}
+
+    def wrap(self, generate_fn: evaluation.GenerateFn) -> evaluation.GenerateFn:
+        def scored_generate_fn(prompts: list[list[int]], n: int) -> list[list[str]]:
+            texts = generate_fn(prompts, n)
+            items = {(k, t): g for p, ts in zip(prompts, texts)
+                     for k, g in self.golds_by_prompt.get(tuple(p), {}).items() for t in ts}
+            rewards = self.pool.score([t for _, t in items], list(items.values())) if items else []
+            self.cache = {key: float(r) for key, r in zip(items, rewards)}
+            return texts
+        return scored_generate_fn
+
+    def __call__(self, text: str, ex: Any) -> float:
+        g = self.gold(ex)
+        hit = self.cache.get((_gold_key(g), text))
+        return hit if hit is not None else float(self.pool.score([text], [g])[0])
+
+# ------------------------------------------------------------------------------------------------ outputs
+
+
+def check_settings(out: Path, settings: dict[str, Any]) -> None:
+    """Samples in OUT are only resumed under the settings that drew them."""
+    path = out / SETTINGS_FILE
+    if path.is_file():
+        old = json.loads(path.read_text())
+        changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+        if changed:
+            what = ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items())
+            raise ValueError(f"{out} holds samples drawn with other settings ({what}); rerun with the same settings "
+                             "or pass another --out")
+    evaluation.write_json(path, settings)
+
+
+def write_summary(out: Path, results: dict[str, dict[str, Any]], ks: Sequence[int], settings: dict[str, Any]
+                  ) -> dict[str, Any]:
+    tables = {name: {int(k): float(v) for k, v in r["pass_at_k"].items()} for name, r in results.items()}
+    average = {k: float(np.mean([t[k] for t in tables.values()])) for k in ks}
+    summary = {"settings": settings, "ks": list(ks),
+               "datasets": {name: {"num_problems": results[name]["num_problems"],
+                                   **{f"pass@{k}": v for k, v in t.items()}} for name, t in tables.items()},
+               "average": {f"pass@{k}": v for k, v in average.items()}}
+    evaluation.write_json(out / "summary.json", summary)
+    rows = {**{f"{name} ({results[name]['num_problems']})": t for name, t in tables.items()}, "average": average}
+    title = (f"pass@k of {settings['model']} (n={settings['n']}, temperature={settings['temperature']}, "
+             f"top_p={settings['top_p']}, max_new_tokens={settings['max_new_tokens']})")
+    evaluation.write_markdown(out / "summary.md", rows, ks, title=title)
+    evaluation.plot_pass_at_k({**tables, "average": average}, out / "pass_at_k.png", title="pass@k")
+    return summary
+
+# ------------------------------------------------------------------------------------------------ run
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    names = [s.strip() for s in args.datasets.split(",") if s.strip()]
+    if not names:
+        raise ValueError("--datasets is empty; name at least one dataset (e.g. math500)")
+    ks = check_ks(parse_ints(args.k, "--k") if args.k else evaluation.default_ks(args.n), args.n)
+    if args.max_new_tokens < 1 or args.max_rows < 1 or args.batch_problems < 0 or args.limit < 0:
+        raise ValueError("--max-new-tokens and --max-rows must be >= 1, --batch-problems and --limit >= 0")
+    source = resolve_model(args.model, args.step)
+    run_config = source.run_config
+    task = infer_task(args.task, source, names)
+    data_seed = args.data_seed if args.data_seed is not None else int(run_config.seed) if run_config else 0
+    data_dir = args.data_dir or (run_config.data.data_dir if run_config is not None else "")
+    datasets = {}
+    for name in names:  # every dataset is checked before the model is loaded
+        key = out_name(name)
+        if key in datasets:
+            raise ValueError(f"dataset {name!r} is listed twice (or two names map to the folder {key!r})")
+        datasets[key] = (name, reward_for(name, task), load_examples(name, data_dir, args.limit, run_config, data_seed))
+    tokenizer = load_tokenizer(source, task, args.tokenizer)
+    dtype = args.dtype or (str(run_config.model.compute_dtype) if run_config is not None else "bfloat16")
+    out = Path(args.out) if args.out else default_out(source)
+    settings = {"model": str(source.path.resolve()), "source": source.kind, "step": source.step, "task": task,
+                "n": args.n, "template": args.template or "auto", "temperature": args.temperature,
+                "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+                "max_new_tokens": args.max_new_tokens, "seed": args.seed, "data_seed": data_seed, "dtype": dtype}
+    check_settings(out, settings)
+
+    import jax
+    from sage_jax import sharding, tasks
+    from sage_jax.data.templates import render
+    from sage_jax.rewards.pool import RewardPool
+    mesh = sharding.make_mesh(tuple(parse_ints(args.mesh, "--mesh")))
+    rules = dict(run_config.mesh.rules) if run_config is not None else dict(sharding.DEFAULT_RULES)
+    batch_problems = args.batch_problems or max(1, args.max_rows // args.n)
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, min_p=args.min_p)
+    loaded: dict[str, Any] = {}
+
+    def generate_fn(prompts: list[list[int]], n: int, pad_to: int = 0) -> list[list[str]]:
+        if "fn" not in loaded:  # the model loads on the first batch to sample: a finished run never loads it
+            print(f"loading {source.kind} model from {source.path}" + (f" (step {source.step})" if source.step
+                  else ""), file=sys.stderr)
+            cfg, params = load_model(source, tokenizer, dtype, mesh, rules)
+            loaded["fn"] = make_generate_fn(cfg, params, tokenizer.decode, sampling, args.seed, args.max_rows)
+        return loaded["fn"](prompts, n, pad_to)
+
+    results = {}
+    pools: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(jax.set_mesh(mesh))
+        stack.enter_context(sharding.use_rules(rules))
+        for key, (name, reward, examples) in datasets.items():
+            template = template_for(reward, args.template, task, run_config)
+            if reward not in pools:
+                pools[reward] = stack.enter_context(RewardPool(reward, num_workers=args.reward_workers,
+                                                               timeout_s=args.reward_timeout))
+            gold = tasks.Task(reward, reward, tokenizer, template, [], {}).gold
+            scorer = PooledScorer(pools[reward], gold, examples,
+                                  lambda ex, t=template: tokenizer.encode(render(t, ex.problem)))
+            print(f"{key}: {len(examples)} problems, reward {reward}, template {template}", file=sys.stderr)
+            results[key] = evaluation.evaluate(
+                None, None, tokenizer, examples, scorer, n=args.n, ks=ks, out_dir=out / key,
+                generate_fn=scorer.wrap(functools.partial(generate_fn, pad_to=min(batch_problems, len(examples)))),
+                batch_problems=batch_problems, template=template,
+                run_name=key, progress=not args.no_progress)
+    summary = write_summary(out, results, ks, settings)
+    summary["out"] = str(out)
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    from sage_jax import sharding
+    sharding.initialize_distributed()
+    summary = run(args)
+    out = Path(summary["out"])
+    print((out / "summary.md").read_text(encoding="utf-8"), end="")
+    print(f"wrote {out / 'summary.json'}, {out / 'summary.md'}, {out / 'pass_at_k.png'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    cli.main_guard(main)

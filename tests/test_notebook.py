@@ -1,0 +1,103 @@
+"""notebooks/sage_colab.ipynb runs top to bottom, headless, in its LOCAL_TINY mode (tiny random model, CPU)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOK = REPO / "notebooks" / "sage_colab.ipynb"
+CELL_TIMEOUT_S = 180
+
+
+def _read():
+    return nbformat.read(NOTEBOOK, as_version=4)
+
+
+def _parameters_index(nb) -> int:
+    tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, "the notebook needs exactly one cell tagged 'parameters' (papermill)"
+    return tagged[0]
+
+
+def _text(cell) -> str:
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.output_type == "stream":
+            parts.append(out.text)
+        elif "data" in out and "text/plain" in out.data:
+            parts.append(out.data["text/plain"])
+    return "".join(parts)
+
+
+def _has_png(cell) -> bool:
+    return any("data" in out and "image/png" in out.data for out in cell.get("outputs", []))
+
+
+def test_notebook_shape():
+    nb = _read()
+    nbformat.validate(nb)
+    params = nb.cells[_parameters_index(nb)]
+    assert params.cell_type == "code"
+    defaults = {}
+    for node in ast.parse(params.source).body:  # the parameters cell holds plain literal assignments only
+        assert isinstance(node, ast.Assign), ast.dump(node)
+        defaults[node.targets[0].id] = ast.literal_eval(node.value)
+    assert defaults["LOCAL_TINY"] is False and defaults["WORKDIR"] == ""
+    assert {"PROJECT_SOURCE", "MODEL_NAME", "TRAIN_DATA", "EVAL_DATA", "N", "KS", "RL_STEPS"} <= set(defaults)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            ast.parse(cell.source)  # no syntax errors, no IPython magics (cells stay plain Python)
+            assert not cell.get("outputs"), "commit the notebook without outputs"
+
+
+def _top_level(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()}
+
+
+def test_notebook_runs_tiny(tmp_path, monkeypatch):
+    nb = _read()
+    workdir = tmp_path / "work"
+    injected = nbformat.v4.new_code_cell(f"LOCAL_TINY = True\nWORKDIR = {str(workdir)!r}\n",
+                                         metadata={"tags": ["injected-parameters"]})
+    nb.cells.insert(_parameters_index(nb) + 1, injected)
+    # the kernel is a fresh process: one CPU device (not the 8 simulated ones of conftest), no GPU/TPU probing
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    before_repo, before_notebooks = _top_level(REPO), _top_level(NOTEBOOK.parent)
+
+    client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
+                                     resources={"metadata": {"path": str(REPO)}})
+    start = time.perf_counter()
+    client.execute()  # raises CellExecutionError naming the failing cell
+    elapsed = time.perf_counter() - start
+    print(f"notebook executed in {elapsed:.1f} s")
+
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    text = "\n".join(_text(c) for c in code)
+    assert "LOCAL_TINY: True" in text
+    assert "a hand-written correct answer: True" in text and "a wrong one:                   False" in text
+    for phase in ("before RL:", "after RL: "):
+        line = next(l for l in text.splitlines() if l.startswith(phase))
+        values = [float(v) for v in re.findall(r"pass@\d+ = ([0-9.]+)", line)]
+        assert len(values) == 3 and all(0.0 <= v <= 1.0 for v in values), line
+    curves, pass_plot = code[-2], code[-1]
+    assert _has_png(curves) and "rl/entropy" in _text(curves) and "rl/kl" in _text(curves)
+    assert _has_png(pass_plot) and "| before |" in _text(pass_plot) and "| after |" in _text(pass_plot)
+
+    # everything went to the workdir; the repository gained no files
+    for name in ("metrics.jsonl", "summary.json", "eval/before", "eval/after"):
+        assert (workdir / "run" / name).exists(), name
+    assert (workdir / "training_curves.png").is_file() and (workdir / "pass_at_k.png").is_file()
+    assert _top_level(REPO) == before_repo and _top_level(NOTEBOOK.parent) == before_notebooks
+    assert elapsed < 300, f"tiny notebook took {elapsed:.0f} s; keep LOCAL_TINY small"
