@@ -96,6 +96,7 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
                                      ms_per_step=1e3 * s / new_tokens))
                 rows[-2]["programs_compiled"] = sampler.compile_count() - compiled_before
     _print_sampler_table(rows)
+    print(f"sampler programs compiled in this run: {sampler.compile_count()}")
     return rows
 
 

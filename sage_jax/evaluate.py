@@ -4,12 +4,15 @@ Samples n completions per problem from a Hugging Face model directory or a train
 process pool and writes the unbiased pass@k per dataset (OUT/<dataset>/{results.json, results.md, pass_at_k.png,
 samples.jsonl}) and over all of them (OUT/summary.json, OUT/summary.md, OUT/pass_at_k.png; "average" is the mean of
 the per-dataset values). Rerunning the same command resumes: problems already in a samples.jsonl are not sampled
-again, and a finished run only rewrites the tables without loading the model.
+again, and a finished run only rewrites the tables without loading the model. OUT/eval_settings.json records what
+drew the samples; resuming with other sampling settings (or another model / checkpoint step) is refused.
 
 --model: an HF directory (config.json + *.safetensors + tokenizer files), or a training workdir: its hf_export/ if
-present (or --step S: that RL checkpoint), else the newest checkpoint under WORKDIR/rl, rebuilt from WORKDIR/config.json.
+present (--step S: that RL checkpoint instead), else the newest checkpoint under WORKDIR/rl, rebuilt from the run's
+WORKDIR/config.json.
 Datasets: registered names (math500, aime24, aime25, amc23, gsm8k, kk, kk:people5, ...), local .jsonl/.parquet files
-or folders, countdown and countdown_ood (regenerated as the training run made them).
+or folders, countdown and countdown_ood (regenerated as the training run made them; loaders' defaults without a
+run config).
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ import numpy as np
 from sage_jax import cli, evaluation
 
 COUNTDOWN_SETS = {"countdown": "test", "countdown_ood": "test_ood"}
-DEFAULT_OUT_ROOT = "eval"
 SETTINGS_FILE = "eval_settings.json"
 
 
@@ -109,7 +111,10 @@ def read_run_config(workdir: Path) -> Any:
     path = workdir / "config.json"
     if not path.is_file():
         return None
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); restore it or point --model elsewhere") from None
     return ml_collections.ConfigDict(data) if isinstance(data, dict) and "model" in data and "data" in data else None
 
 
@@ -154,7 +159,7 @@ def checkpoint_steps(rl_dir: Path) -> list[int]:
 def default_out(source: ModelSource) -> Path:
     if source.workdir is not None:
         return source.workdir / "eval" / ("hf_export" if source.kind == "hf" else f"step{source.step}")
-    return Path(DEFAULT_OUT_ROOT) / source.path.resolve().name
+    return Path("eval") / source.path.resolve().name
 
 # ------------------------------------------------------------------------------------------------ task, data
 
@@ -164,7 +169,7 @@ def infer_task(task: str | None, source: ModelSource, names: Sequence[str]) -> s
         return task
     if source.run_config is not None:
         return str(source.run_config.data.task)
-    bases = {n.partition(":")[0] for n in names}
+    bases = {split_name(n)[0] for n in names}
     if bases <= set(COUNTDOWN_SETS):
         return "countdown"
     return "kk" if bases == {"kk"} else "math"
@@ -175,19 +180,29 @@ def template_for(reward: str, flag: str, task: str, run_config: Any) -> str:
         return flag
     if reward == "countdown":
         return "plain"  # countdown prompts are complete as generated
-    return str(run_config.data.template) if run_config is not None and task != "countdown" else "qwen_math_boxed"
+    if run_config is not None and task != "countdown":
+        return str(run_config.data.get("template", "qwen_math_boxed"))
+    return "qwen_math_boxed"
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """"kk:people5" -> ("kk", "people5"); names without a registered prefix (paths, hf://...) stay whole."""
+    from sage_jax.data.loaders import DATASETS
+    base, _, split = name.partition(":")
+    return (base, split) if base in DATASETS or base in COUNTDOWN_SETS else (name, "")
 
 
 def reward_for(name: str, task: str) -> str:
-    base = name.partition(":")[0]
+    from sage_jax.data.loaders import DATASETS
+    base = split_name(name)[0]
     if base in COUNTDOWN_SETS:
         return "countdown"
-    if base == "kk":
-        return "kk"
     if task == "countdown":
         raise ValueError(f"dataset {name!r} does not suit a countdown model (character tokenizer); evaluate it on "
                          "countdown or countdown_ood")
-    return "kk" if task == "kk" else "math"
+    if base in DATASETS:
+        return "kk" if base == "kk" else "math"
+    return "kk" if task == "kk" else "math"  # a local file or hf:// set: the task says what it holds
 
 
 def out_name(name: str) -> str:
@@ -199,7 +214,7 @@ def out_name(name: str) -> str:
 def load_examples(name: str, data_dir: str, limit: int, run_config: Any, data_seed: int) -> list[Any]:
     """Examples of one dataset; countdown sets are regenerated as sage_jax.tasks.build made them for the run."""
     from sage_jax.data import loaders
-    base, _, split = name.partition(":")
+    base, split = split_name(name)
     if base in COUNTDOWN_SETS:
         d = run_config.data if run_config is not None else None
         if d is None:
@@ -211,7 +226,7 @@ def load_examples(name: str, data_dir: str, limit: int, run_config: Any, data_se
             examples = loaders.load_dataset("countdown", "test_ood", num_examples=min(d.num_eval, 100),
                                             seed=data_seed, high=min(d.max_number, 12))
     else:
-        examples = loaders.load_dataset(base if split else name, split or "test", data_dir=data_dir or None)
+        examples = loaders.load_dataset(base, split or "test", data_dir=data_dir or None)
     if not examples:
         raise ValueError(f"dataset {name!r} has no problems")
     return examples[:limit] if limit else examples
@@ -224,7 +239,9 @@ def load_tokenizer(source: ModelSource, task: str, tokenizer_dir: str = "") -> A
         from sage_jax.tasks import _CountdownTok
         return _CountdownTok()
     from sage_jax.tokenizer import Tokenizer
-    candidates = [tokenizer_dir] if tokenizer_dir else []
+    if tokenizer_dir:
+        return Tokenizer.from_pretrained(tokenizer_dir)
+    candidates = []
     if source.kind == "hf":
         candidates.append(str(source.path))
     if source.run_config is not None:
@@ -233,18 +250,19 @@ def load_tokenizer(source: ModelSource, task: str, tokenizer_dir: str = "") -> A
     for c in candidates:
         if c and any((Path(c).expanduser() / f).exists() for f in tok_files):
             return Tokenizer.from_pretrained(c)
-    raise FileNotFoundError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in {candidates or [source.path]}"
-                            "; pass --tokenizer DIR")
+    raise FileNotFoundError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in "
+                            f"{candidates or [source.path]}; pass --tokenizer DIR")
 
 
 def restore_checkpoint_params(rl_dir: Path, step: int, abstract_params: Any, dtype: str) -> Any:
     """Only the params of an RL checkpoint, read straight onto their shardings. Read-only: unlike
     checkpoint.Checkpointer it never cleans up temporary folders, so a run still training there is left alone."""
     import jax
+    import jax.numpy as jnp
     import orbax.checkpoint as ocp
     state_dir = (rl_dir / "checkpoints" / str(step) / "state").resolve()
     restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
-                                                               dtype=np.dtype(dtype)), abstract_params)
+                                                               dtype=jnp.dtype(dtype)), abstract_params)
     try:
         with ocp.PyTreeCheckpointer() as reader:
             state = reader.restore(state_dir, args=ocp.args.PyTreeRestore(
@@ -264,6 +282,8 @@ def load_model(source: ModelSource, tokenizer: Any, dtype: str, mesh: Any, rules
     from sage_jax import model as model_lib
     if source.kind == "hf":
         cfg, params = model_lib.load_hf(source.path, dtype=jnp.dtype(dtype), mesh=mesh, rules=rules)
+        if source.run_config is not None:  # an export of a run: the same cfg as its checkpoints (one compile)
+            cfg = trainer.model_config(source.run_config, base=cfg)
     else:
         config = source.run_config
         base = None
@@ -295,7 +315,7 @@ def make_generate_fn(cfg: Any, params: Any, decode: Callable[[Any], str], sampli
     batch draws the same samples whatever ran before it.
     """
     import jax
-    from sage_jax import sampler
+    from sage_jax import sampler, sharding
 
     def generate_fn(prompts: list[list[int]], n: int, pad_to: int = 0) -> list[list[str]]:
         B = max(pad_to, len(prompts))
@@ -307,7 +327,7 @@ def make_generate_fn(cfg: Any, params: Any, decode: Callable[[Any], str], sampli
         for chunk in range(n // per_call):
             out = sampler.generate(cfg, params, padded, num_samples=per_call, seed=jax.random.fold_in(key, chunk),
                                    eos_ids=cfg.eos_token_ids, pad_id=cfg.pad_token_id, **sampling)
-            tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+            tokens, lengths = sharding.to_host((out.tokens, out.lengths))  # all rows on every process
             for i in range(len(prompts)):
                 rows = range(i * per_call, (i + 1) * per_call)
                 texts[i] += [decode(tokens[r, :lengths[r]]) for r in rows]
@@ -376,7 +396,7 @@ def write_summary(out: Path, results: dict[str, dict[str, Any]], ks: Sequence[in
     title = (f"pass@k of {settings['model']} (n={settings['n']}, temperature={settings['temperature']}, "
              f"top_p={settings['top_p']}, max_new_tokens={settings['max_new_tokens']})")
     evaluation.write_markdown(out / "summary.md", rows, ks, title=title)
-    evaluation.plot_pass_at_k({**tables, "average": average}, out / "pass_at_k.png", title="pass@k")
+    evaluation.plot_pass_at_k({**tables, "average": average}, out / "pass_at_k.png", title=Path(settings["model"]).name)
     return summary
 
 # ------------------------------------------------------------------------------------------------ run
@@ -393,7 +413,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     run_config = source.run_config
     task = infer_task(args.task, source, names)
     data_seed = args.data_seed if args.data_seed is not None else int(run_config.seed) if run_config else 0
-    data_dir = args.data_dir or (run_config.data.data_dir if run_config is not None else "")
+    data_dir = args.data_dir or (run_config.data.get("data_dir", "") if run_config is not None else "")
     datasets = {}
     for name in names:  # every dataset is checked before the model is loaded
         key = out_name(name)
@@ -407,13 +427,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "n": args.n, "template": args.template or "auto", "temperature": args.temperature,
                 "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
                 "max_new_tokens": args.max_new_tokens, "seed": args.seed, "data_seed": data_seed, "dtype": dtype}
-    check_settings(out, settings)
-
     import jax
     from sage_jax import sharding, tasks
     from sage_jax.data.templates import render
     from sage_jax.rewards.pool import RewardPool
-    mesh = sharding.make_mesh(tuple(parse_ints(args.mesh, "--mesh")))
+    try:
+        mesh = sharding.make_mesh(tuple(parse_ints(args.mesh, "--mesh")))
+    except ValueError as e:
+        raise ValueError(f"--mesh {args.mesh}: {e}") from None
+    check_settings(out, settings)
     rules = dict(run_config.mesh.rules) if run_config is not None else dict(sharding.DEFAULT_RULES)
     batch_problems = args.batch_problems or max(1, args.max_rows // args.n)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,

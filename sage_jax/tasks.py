@@ -7,6 +7,7 @@ HF tokenizer) and "countdown" (a character tokenizer and procedurally generated 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from typing import Any, Sequence
 
@@ -46,10 +47,15 @@ class Task:
         out = []
         for i in range(step * num_prompts, (step + 1) * num_prompts):
             epoch, pos = divmod(i, n)
-            order = list(range(n))
-            random.Random(hash((seed, epoch)) & 0xFFFFFFFF).shuffle(order)
-            out.append(self.train[order[pos]])
+            out.append(self.train[_epoch_order(n, seed, epoch)[pos]])
         return out
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    order = list(range(n))
+    random.Random(hash((seed, epoch)) & 0xFFFFFFFF).shuffle(order)
+    return order
 
 
 class _CountdownTok:

@@ -1,6 +1,8 @@
 """python -m sage_jax.evaluate, in process, on a tiny random HF Qwen2 and on a tiny countdown training workdir."""
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +13,7 @@ from sage_jax import evaluate as ev
 from tests.helpers_hf import tiny_hf_model, tiny_tokenizer
 
 PROBLEMS = {"What is 1 + 1?": "2", "What is 2 + 3?": "5", "What is 3 * 3?": "9"}
+REAL_MAKE_GENERATE_FN = ev.make_generate_fn
 FAST = ["--n", "4", "--k", "1,2,4", "--max-new-tokens", "8", "--batch-problems", "1", "--reward-workers", "0",
         "--dtype", "float32", "--no-progress"]
 
@@ -48,10 +51,10 @@ def _records(path: Path) -> list[dict]:
 
 def _spy_generate(monkeypatch, fail_on_call: int = 0):
     """Wraps the real sampler closure; records how many prompts each call got, optionally interrupts a call."""
-    calls, real = [], ev.make_generate_fn
+    calls = []
 
     def make(*args, **kwargs):
-        fn = real(*args, **kwargs)
+        fn = REAL_MAKE_GENERATE_FN(*args, **kwargs)
 
         def generate_fn(prompts, n, pad_to=0):
             calls.append(len(prompts))
@@ -61,6 +64,10 @@ def _spy_generate(monkeypatch, fail_on_call: int = 0):
         return generate_fn
     monkeypatch.setattr(ev, "make_generate_fn", make)
     return calls
+
+
+def _cheap_plots(monkeypatch):
+    monkeypatch.setattr(evaluation, "plot_pass_at_k", lambda curves, path, title="": Path(path).write_bytes(b"png"))
 
 
 def _forbid_sampling(monkeypatch):
@@ -85,11 +92,14 @@ def _check_consistent(out: Path, name: str, n: int, ks=(1, 2, 4)):
 def test_end_to_end_extend_interrupt_and_resume(hf_dir, tiny_set, tmp_path, monkeypatch):
     out = tmp_path / "out"
     argv = ["--model", hf_dir, "--datasets", tiny_set, "--out", out, *FAST]
+    real_plot, real_load_model = evaluation.plot_pass_at_k, ev.load_model
+    _cheap_plots(monkeypatch)
     calls = _spy_generate(monkeypatch)
     assert _main([*argv, "--limit", "2"]) == 0
     assert calls == [1, 1] and len(_records(out / "tiny" / "samples.jsonl")) == 2
 
     calls.clear()  # a longer run only samples the problems it has not seen
+    monkeypatch.setattr(evaluation, "plot_pass_at_k", real_plot)
     assert _main(argv) == 0
     assert calls == [1]
     records, results = _check_consistent(out, "tiny", n=4)
@@ -98,14 +108,16 @@ def test_end_to_end_extend_interrupt_and_resume(hf_dir, tiny_set, tmp_path, monk
     assert summary["datasets"]["tiny"]["pass@4"] == pytest.approx(results["pass_at_k"]["4"])
     assert summary["average"]["pass@1"] == pytest.approx(results["pass_at_k"]["1"])
     assert "| average |" in (out / "summary.md").read_text()
-    for f in ("pass_at_k.png", "tiny/pass_at_k.png", "tiny/results.md", "eval_settings.json"):
-        assert (out / f).stat().st_size > 0, f
+    for f in ("pass_at_k.png", "tiny/pass_at_k.png"):
+        assert (out / f).read_bytes().startswith(b"\x89PNG"), f
+    assert (out / "tiny" / "results.md").stat().st_size and (out / "eval_settings.json").stat().st_size
 
     before = (out / "tiny" / "samples.jsonl").read_bytes()
+    _cheap_plots(monkeypatch)
     _forbid_sampling(monkeypatch)  # all done: nothing is sampled, the model is never loaded
     assert _main(argv) == 0
     assert (out / "tiny" / "samples.jsonl").read_bytes() == before
-    monkeypatch.undo()
+    monkeypatch.setattr(ev, "load_model", real_load_model)
 
     # Ctrl-C during the second batch, then rerun: only the two missing problems are sampled, and with the same keys
     out2 = tmp_path / "out2"
@@ -136,10 +148,21 @@ def test_pooled_scores_give_the_unbiased_pass_at_k(hf_dir, tiny_set, tmp_path, m
         return generate_fn
     monkeypatch.setattr(ev, "make_generate_fn", make)
     monkeypatch.setattr(ev, "load_model", lambda *a, **k: (None, None))
+    from sage_jax.rewards.pool import RewardPool
+    batches, real_score = [], RewardPool.score
+
+    def spy_score(self, completions, golds, *args):
+        batches.append(len(completions))
+        return real_score(self, completions, golds, *args)
+    monkeypatch.setattr(RewardPool, "score", spy_score)
     out = tmp_path / "out"
     argv = ["--model", hf_dir, "--datasets", f"{tiny_set},{other}", "--out", out, *FAST, "--reward-workers", "1",
             "--batch-problems", "2"]
     assert _main(argv) == 0
+    # one pool call per generated batch of 2 problems, each distinct completion scored once
+    unique = {q: (correct[q] > 0) + 4 - correct[q] for q in correct}
+    assert batches == [unique["What is 1 + 1?"] + unique["What is 2 + 3?"], unique["What is 3 * 3?"],
+                       unique["What is 10 - 4?"] + unique["What is 7 + 7?"]]
     summary = json.loads((out / "summary.json").read_text())
     for name, qs in (("tiny", list(PROBLEMS)), ("other", ["What is 10 - 4?", "What is 7 + 7?"])):
         records, results = _check_consistent(out, name, n=4)
@@ -159,17 +182,19 @@ def _countdown_workdir(workdir: Path) -> Path:
     from sage_jax import logging as slog
     config = config_lib.load("configs/tiny_test.py")
     cfg = trainer.model_config(config, vocab_size=tasks._CountdownTok().vocab_size)
-    params = model.init_params(cfg, jax.random.key(3))
+    rng = np.random.default_rng(3)  # numpy init: compiling model.init_params costs more than this whole test
+    params = jax.tree.map(lambda s: (0.3 * rng.standard_normal(s.shape)).astype(s.dtype),
+                          jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0))))
     slog.MetricsLogger(workdir, config.to_dict(), use_tensorboard=False).close()
     tx, _ = trainer.make_optimizer(config.optim, 3)
     ckpt = checkpoint.Checkpointer(workdir / "rl")
-    ckpt.save(1, trainer.init_state(params, tx), {"rl_step": 1})
+    ckpt.save(1, jax.jit(lambda p: trainer.init_state(p, tx))(params), {"rl_step": 1})
     ckpt.close()
     model.save_hf(workdir / "hf_export", cfg, params)
     return workdir
 
 
-def test_countdown_workdir_from_export_and_from_checkpoint(tmp_path):
+def test_countdown_workdir_from_export_and_from_checkpoint(tmp_path, monkeypatch):
     workdir = _countdown_workdir(tmp_path / "run")
     common = ["--datasets", "countdown", "--limit", "2", *FAST]
     assert _main(["--model", workdir, *common]) == 0
@@ -179,7 +204,12 @@ def test_countdown_workdir_from_export_and_from_checkpoint(tmp_path):
     assert [r["completions"] for r in exported] == [r["completions"] for r in restored]  # same params, same keys
     settings = json.loads((workdir / "eval" / "step1" / "eval_settings.json").read_text())
     assert settings["task"] == "countdown" and settings["step"] == 1
-    assert exported[0]["prompt"].startswith("Using the numbers")
+    assert exported[0]["prompt"].endswith(":") and ">" in exported[0]["prompt"]  # countdown.prompt, no template
+
+    # without hf_export the newest checkpoint is used: step 1 again, already evaluated
+    shutil.rmtree(workdir / "hf_export")
+    _forbid_sampling(monkeypatch)
+    assert _main(["--model", workdir, *common]) == 0
 
 
 def _error(capsys, argv) -> str:
@@ -212,12 +242,17 @@ def test_names_tasks_and_rewards():
     assert ev.infer_task(None, ev.ModelSource("hf", Path(".")), ["kk:people3"]) == "kk"
     assert ev.infer_task(None, ev.ModelSource("hf", Path(".")), ["math500", "kk"]) == "math"
     assert [ev.reward_for(n, "math") for n in ("math500", "kk", "countdown_ood")] == ["math", "kk", "countdown"]
+    assert [ev.reward_for(n, "kk") for n in ("math500", "kk:people3", "/d/kk.jsonl")] == ["math", "kk", "kk"]
+    assert ev.split_name("kk:people5") == ("kk", "people5")
+    assert ev.split_name("hf://org/x:cfg") == ("hf://org/x:cfg", "")
     assert ev.check_ks([4, 1, 4], 4) == [1, 4]
 
 
 @pytest.mark.slow
-def test_trained_countdown_workdir(tmp_path):
-    """A real one-step training run (about a minute on a CPU) evaluated from its workdir."""
+def test_trained_countdown_workdir(tmp_path, request):
+    """A real one-step training run evaluated from its workdir (hf_export, with the run's countdown sets)."""
+    if not os.environ.get("SAGE_SLOW_TESTS") and "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("about 90 s of training; run with -m slow or SAGE_SLOW_TESTS=1")
     from sage_jax import config as config_lib, trainer
     config = config_lib.load("configs/tiny_test.py", ["--config.train.steps=1", "--config.train.export_hf=true",
                                                      "--config.train.use_tensorboard=false"])

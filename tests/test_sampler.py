@@ -82,16 +82,37 @@ def test_greedy_logprobs_are_untempered(params):
     np.testing.assert_allclose(got, expected, atol=1e-4)
 
 
-def test_sample_frequencies_match_softmax():
+@pytest.mark.parametrize("top_p", [1.0, 0.8])
+def test_sample_frequencies_match_softmax(top_p):
     stats = pytest.importorskip("scipy.stats")
     logits_V = jnp.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
     n, T = 20000, 0.8
-    toks, _ = jax.jit(sampler.sample_tokens, static_argnames="greedy")(
-        jnp.broadcast_to(logits_V, (n, 6)), jax.random.key(3), jnp.arange(n), greedy=False, temperature=T)
+    sample = jax.jit(sampler.sample_tokens, static_argnames="greedy")
+    toks, _ = sample(jnp.broadcast_to(logits_V, (n, 6)), jax.random.key(3), jnp.arange(n), greedy=False,
+                     temperature=T, top_p=None if top_p == 1.0 else top_p)
     counts = np.bincount(np.asarray(toks), minlength=6)
     probs = np.exp(np.asarray(logits_V, np.float64) / T)
-    expected = n * probs / probs.sum()
-    assert stats.chisquare(counts, expected).pvalue > 1e-3
+    probs /= probs.sum()
+    kept = (np.cumsum(probs) - probs) < top_p
+    assert (counts[~kept] == 0).all()
+    expected = n * probs[kept] / probs[kept].sum()
+    assert stats.chisquare(counts[kept], expected).pvalue > 1e-3
+
+
+def test_nucleus_search_matches_sorting():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 2, (16, 300)).astype(np.float32)
+    logits[:4, :40] = logits[:4, :1]  # ties
+    top_p = rng.uniform(0.05, 0.99, 16).astype(np.float32)
+    filt = jax.jit(sampler.filter_logits)
+    for b in range(16):
+        got = np.isfinite(np.asarray(filt(logits[b:b + 1], top_p=top_p[b])))[0]
+        order = np.argsort(-logits[b], kind="stable")
+        p = np.exp(logits[b][order] - logits[b].max())
+        p /= p.sum()
+        count = max(int(np.sum(np.cumsum(p) - p < top_p[b])), 1)
+        expected = logits[b] >= logits[b][order][count - 1]
+        np.testing.assert_array_equal(got, expected)
 
 
 def test_rows_and_steps_use_distinct_keys():

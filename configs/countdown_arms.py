@@ -1,0 +1,99 @@
+"""The CPU-scale SAGE comparison on countdown: one shared SFT base, then RL with each arm (sage_jax.experiments).
+
+    python -m sage_jax.experiments.reproduce --out docs/results --quick        # ~15 min on 2 free CPU cores
+    python -m sage_jax.experiments.reproduce --out docs/results                # 10 arms x 3 seeds, ~3 h
+    python -m sage_jax.train --config configs/countdown_arms.py:grpo_branch,quick --workdir /tmp/one_arm
+
+arg: "ARM" or "ARM,BUDGET" with ARM one of ARMS (default grpo) and BUDGET tiny | quick | full (default full).
+Every arm shares everything below except its entry in ARMS. The base model is an SFT warm-start whose
+demonstrations spread unevenly over valid strategies (mul 0.7, add 0.2, sub 0.07, div 0.03: a dominant mode and
+rarer valid ones), so RL can either sharpen onto the dominant mode or keep the rare ones.
+Run alone with sage_jax.train, a config does its own SFT first; the experiment trains the base once and shares it.
+"""
+
+from typing import Any
+
+import ml_collections
+
+from configs import base
+
+DAPO = {"loss.eps_high": 0.28, "loss.aggregation": "token-mean", "train.dynamic_sampling": True}
+BRANCH = {"loss.guide": "branch"}
+BNPO = {"loss.aggregation": "token-mean"}
+
+# Each arm's difference from GRPO (k3 reverse-KL anchor to pi_ref, no guide, seq-mean-token-mean).
+ARMS: dict[str, dict[str, Any]] = {
+    "grpo": {},
+    "grpo_nokl": {"loss.kl_estimator": "none", "loss.beta": 0.0},
+    "fkl": {"loss.kl_estimator": "forward"},
+    "grpo_random": {"loss.guide": "random"},
+    "grpo_token": {"loss.guide": "token"},
+    "grpo_branch": BRANCH,
+    "dapo": DAPO,
+    "dapo_branch": DAPO | BRANCH,
+    "bnpo": BNPO,
+    "bnpo_branch": BNPO | BRANCH,
+}
+
+# What a budget changes: SFT/RL steps, eval sizes, seeds. Times are for 2 otherwise idle CPU cores.
+BUDGETS: dict[str, dict[str, Any]] = {
+    # the test suite's: seconds per arm, numbers meaningless
+    "tiny": {"model.hidden_size": 32, "model.num_layers": 1, "model.intermediate_size": 64,
+             "data.num_train": 64, "data.num_eval": 4, "sft.steps": 4, "sft.batch_size": 16, "sft.num_demos": 64,
+             "sft.warmup_steps": 1, "rollout.prompts_per_step": 2, "rollout.group_size": 4,
+             "rollout.max_new_tokens": 16, "train.steps": 2, "train.max_resample": 1, "eval.n": 8,
+             "eval.problems": 2, "eval.max_new_tokens": 16, "experiment.seeds": 1, "experiment.ood_problems": 2,
+             "experiment.rows_per_call": 16, "experiment.sweep_gammas": (0.3, 1.0), "experiment.sweep_taus": (0.3,)},
+    # ~15 minutes: a smaller SFT, 1 seed, 64 samples on 48 + 24 problems
+    "quick": {"sft.steps": 300, "train.steps": 24, "eval.n": 64, "eval.problems": 48,
+              "experiment.ood_problems": 24, "experiment.seeds": 1},
+    "full": {},
+}
+
+
+def _set(c: ml_collections.ConfigDict, dotted: dict[str, Any]) -> None:
+    for key, value in dotted.items():
+        *path, leaf = key.split(".")
+        node = c
+        for part in path:
+            node = node[part]
+        if leaf not in node:
+            raise ValueError(f"countdown_arms: {key!r} is not a config field")
+        node[leaf] = value
+
+
+def parse_arg(arg: str | None) -> tuple[str, str]:
+    arm, _, budget = (arg or "grpo").partition(",")
+    arm, budget = arm or "grpo", budget or "full"
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}: choose one of {', '.join(ARMS)}")
+    if budget not in BUDGETS:
+        raise ValueError(f"unknown budget {budget!r}: choose one of {', '.join(BUDGETS)}")
+    return arm, budget
+
+
+def get_config(arg=None):
+    arm, budget = parse_arg(arg)
+    c = base.get_config()
+    c.seed = 0
+    c.model.update(preset="tiny", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384,
+                   compute_dtype="float32", ref_dtype="float32", logits_chunk=64)
+    c.data.update(task="countdown", num_train=1000, num_eval=200, max_number=15, max_prompt_len=32, eval="",
+                  ood_num_numbers=4)
+    c.rollout.update(prompts_per_step=16, group_size=8, max_new_tokens=24, temperature=1.0, min_p=0.0)
+    c.loss.update(guide="none", kl_estimator="k3", beta=0.05, gamma=0.3, tau=0.6)
+    c.optim.update(lr=5e-5, warmup_steps=5, weight_decay=0.0)
+    c.train.update(steps=80, ckpt_every=1000, keep_ckpts=1, eval_every=0, sample_every=0, reward="countdown",
+                   reward_workers=0, export_hf=False, use_tensorboard=False, progress=False)
+    # the experiment evaluates with its own sampler loop (sage_jax.experiments), not the trainer's
+    c.eval.update(n=256, ks=(1, 4, 16, 64, 256), problems=96, max_new_tokens=24, temperature=1.0, min_p=0.0,
+                  at_start=False, at_end=False)
+    c.sft.update(steps=800, lr=2e-3, warmup_steps=30, batch_size=64, data="countdown", num_demos=4000)
+    c.sft.mode_weights.update(mul=0.7, add=0.2, sub=0.07, div=0.03)
+    c.experiment = ml_collections.ConfigDict(dict(
+        budget=budget, arm=arm, seeds=3, ood_problems=48, rows_per_call=4096,
+        sweep_gammas=(0.1, 0.3, 1.0), sweep_taus=(0.3, 0.6, 1.2), sweep_seeds=1))
+    _set(c, BUDGETS[budget])
+    _set(c, ARMS[arm])
+    c.train.ckpt_every = c.train.steps  # one checkpoint, at the end: what a resumed experiment reloads
+    return c

@@ -1,0 +1,1 @@
+"""Experiments built on the library: reproduce.py (the CPU-scale SAGE comparison), measure.py, report.py."""

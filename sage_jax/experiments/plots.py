@@ -1,0 +1,148 @@
+"""The report's figures: pass@k curves with seed bands, training curves, strategy shares, the Branch sweep heatmap."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+# Left panel: GRPO and its anchor/guide variants; right panel: the DAPO/BNPO pairs (GRPO repeated for reference).
+FAMILIES = (("grpo", "grpo_nokl", "fkl", "grpo_random", "grpo_token", "grpo_branch"),
+            ("grpo", "dapo", "dapo_branch", "bnpo", "bnpo_branch"))
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _color(arm: str, arms: Sequence[str]):
+    import matplotlib
+    return matplotlib.colormaps["tab10"](list(arms).index(arm) % 10)
+
+
+def _style(arm: str) -> dict[str, Any]:
+    return {"linestyle": "-" if arm.endswith("branch") else "--" if arm == "grpo" else ":", "linewidth": 1.6}
+
+
+def _band(ax, x, mean, half, color, label, **style):
+    mean, half = np.asarray(mean, float), np.asarray(half, float)
+    ax.plot(x, mean, color=color, label=label, **style)
+    if np.isfinite(half).any():
+        ax.fill_between(x, mean - half, mean + half, color=color, alpha=0.15, linewidth=0)
+
+
+def _families(arms: Sequence[str]) -> list[list[str]]:
+    fams = [[a for a in fam if a in arms] for fam in FAMILIES]
+    rest = [a for a in arms if not any(a in fam for fam in FAMILIES)]
+    fams = [f for f in fams if len(f) > (1 if "grpo" in f else 0)] or [[]]
+    fams[0] += rest
+    return fams
+
+
+def pass_at_k(agg: Mapping[str, Mapping[str, Any]], base: Mapping[str, Any], split: str, path: str,
+              title: str) -> None:
+    """Top: pass@k vs k per arm (mean, 95% band over seeds) and the base; bottom: arm - GRPO."""
+    plt = _plt()
+    arms = list(agg)
+    fams = _families(arms)
+    fig, axes = plt.subplots(2, len(fams), figsize=(6 * len(fams), 7), squeeze=False, sharex=True)
+    base_curve = base[f"{split}/curve"][0]
+    ks = np.arange(1, len(base_curve) + 1)
+    for col, fam in enumerate(fams):
+        top, bottom = axes[0, col], axes[1, col]
+        top.plot(ks, base_curve, color="black", linewidth=1.2, label="base (SFT)")
+        ref = agg["grpo"][f"{split}/curve"][0] if "grpo" in agg else base_curve
+        for arm in fam:
+            mean, half = agg[arm][f"{split}/curve"]
+            _band(top, ks, mean, half, _color(arm, arms), arm, **_style(arm))
+            if arm != "grpo":
+                _band(bottom, ks, np.asarray(mean) - np.asarray(ref), half, _color(arm, arms), arm, **_style(arm))
+        bottom.axhline(0.0, color="grey", linewidth=0.8)
+        bottom.plot(ks, np.asarray(base_curve) - np.asarray(ref), color="black", linewidth=1.0, label="base")
+        top.set_ylabel("pass@k")
+        bottom.set_ylabel("pass@k − GRPO" if "grpo" in agg else "pass@k − base")
+        bottom.set_xlabel("k")
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+        top.legend(fontsize=7, loc="lower right")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def training(curves: Mapping[str, Sequence[Mapping[str, Sequence]]], path: str) -> None:
+    """Entropy and reward over RL steps: mean over seeds with a 95% band, one column per family."""
+    from sage_jax.experiments.stats import mean_ci
+    plt = _plt()
+    arms = list(curves)
+    fams = _families(arms)
+    fig, axes = plt.subplots(2, len(fams), figsize=(6 * len(fams), 6), squeeze=False, sharex=True)
+    for col, fam in enumerate(fams):
+        for row, name in enumerate(("entropy", "reward")):
+            ax = axes[row, col]
+            for arm in fam:
+                runs = [c for c in curves[arm] if c.get(name)]
+                if not runs:
+                    continue
+                length = min(len(c[name]) for c in runs)
+                pairs = [mean_ci([c[name][i] for c in runs]) for i in range(length)]
+                _band(ax, runs[0]["step"][:length], [p[0] for p in pairs], [p[1] for p in pairs],
+                      _color(arm, arms), arm, **_style(arm))
+            ax.set_ylabel({"entropy": "policy entropy (nats/token)", "reward": "train reward"}[name])
+            ax.grid(alpha=0.3)
+        axes[1, col].set_xlabel("RL step")
+        axes[0, col].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def strategy_shares(rows: Mapping[str, Mapping[str, tuple[float, float]]], strategies: Sequence[str],
+                    path: str, title: str) -> None:
+    """Grouped bars: share of each strategy among correct samples, one bar per run (error bar: 95% over seeds)."""
+    plt = _plt()
+    names = list(rows)
+    width = 0.8 / max(len(names), 1)
+    fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(strategies) * len(names) * 0.35), 4))
+    x = np.arange(len(strategies))
+    for i, name in enumerate(names):
+        means = [rows[name][s][0] for s in strategies]
+        halves = [rows[name][s][1] for s in strategies]
+        errs = [h if not math.isnan(h) else 0.0 for h in halves]
+        ax.bar(x + (i - (len(names) - 1) / 2) * width, means, width, yerr=errs, label=name, capsize=2)
+    ax.set_xticks(x, strategies)
+    ax.set_yscale("log")
+    ax.set_ylabel("share of correct samples (log)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def heatmaps(grids: Mapping[str, np.ndarray], gammas: Sequence[float], taus: Sequence[float], path: str) -> None:
+    """One annotated gamma x tau heatmap per metric."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(grids), figsize=(4.2 * len(grids), 3.6), squeeze=False)
+    for ax, (name, grid) in zip(axes[0], grids.items()):
+        im = ax.imshow(grid, cmap="viridis", origin="lower", aspect="auto")
+        for i in range(grid.shape[0]):
+            for j in range(grid.shape[1]):
+                if np.isfinite(grid[i, j]):
+                    ax.text(j, i, f"{grid[i, j]:.3f}", ha="center", va="center", color="white", fontsize=8)
+        ax.set_xticks(range(len(taus)), [str(t) for t in taus])
+        ax.set_yticks(range(len(gammas)), [str(g) for g in gammas])
+        ax.set_xlabel("tau")
+        ax.set_ylabel("gamma")
+        ax.set_title(name)
+        fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

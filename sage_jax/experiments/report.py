@@ -1,0 +1,215 @@
+"""RESULTS.md, results.json and the figures from the experiment's run records (see reproduce.py for their layout)."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from sage_jax import evaluation
+from sage_jax.experiments import plots
+from sage_jax.experiments.stats import aggregate, fmt, paired_difference, summarize_run
+from sage_jax.rewards import countdown
+
+SPLIT_NAMES = {"countdown": "held-out (3 numbers)", "countdown_ood": "OOD (4 numbers)"}
+PAIRS = (("grpo_branch", "grpo"), ("dapo_branch", "dapo"), ("bnpo_branch", "bnpo"), ("grpo_token", "grpo"),
+         ("grpo_random", "grpo"), ("fkl", "grpo"), ("grpo_nokl", "grpo"))
+CI_NOTE = ("Cells are mean ± half-width of the 95% Student-t interval over seeds (t_{0.975, s-1} · sd / √s, sd with "
+           "ddof 1); a cell without ± comes from one seed (no interval). The base row is one evaluation of the shared "
+           "SFT model.")
+
+
+def _row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], align_first: bool = True) -> str:
+    sep = ["---"] + ["---:"] * (len(header) - 1) if align_first else ["---:"] * len(header)
+    return "\n".join([_row(header), _row(sep)] + [_row(r) for r in rows]) + "\n"
+
+
+def _ks(n: int) -> list[int]:
+    return evaluation.default_ks(n)
+
+
+def _cell(agg: Mapping[str, Any], key: str, digits: int = 3) -> str:
+    return fmt(*agg.get(key, (math.nan, math.nan)), digits=digits)
+
+
+def _signed(mean: float, half: float, count: int) -> str:
+    if math.isnan(mean):
+        return "–"
+    text = f"{mean:+.3f}" + ("" if math.isnan(half) else f" ± {half:.3f}")
+    return text + (" *" if not math.isnan(half) and abs(mean) > half else "") + ("" if count > 1 else " (1 seed)")
+
+
+def build(base_record: Mapping[str, Any], records: Mapping[str, Mapping[int, Mapping[str, Any]]],
+          sweep: Mapping[tuple[float, float], Mapping[int, Mapping[str, Any]]], meta: Mapping[str, Any]
+          ) -> dict[str, Any]:
+    """Summaries per arm and seed, aggregates over seeds, sweep cells: the content of results.json."""
+    per_seed = {arm: {seed: summarize_run(rec) for seed, rec in sorted(runs.items())} for arm, runs in records.items()}
+    base = summarize_run(base_record)
+    agg = {arm: aggregate(list(runs.values())) for arm, runs in per_seed.items() if runs}
+    sweep_cells = {}
+    for (gamma, tau), runs in sorted(sweep.items()):
+        summaries = [summarize_run(r) for _, r in sorted(runs.items())]
+        if summaries:
+            sweep_cells[f"gamma={gamma},tau={tau}"] = {"gamma": gamma, "tau": tau, "seeds": len(summaries),
+                                                       **{k: v for k, v in aggregate(summaries).items()
+                                                          if not k.endswith("/curve")}}
+    return {"meta": dict(meta), "base": base, "per_seed": per_seed, "aggregate": agg, "sweep": sweep_cells,
+            "curves": {arm: [rec.get("curves", {}) for _, rec in sorted(runs.items())]
+                       for arm, runs in records.items()}}
+
+
+def _headline(results: Mapping[str, Any], splits: Sequence[str], n: int) -> str:
+    id_split, ood = splits[0], splits[-1]
+    header = ["arm", "seeds", "ID pass@1", "ID pass@16" if n >= 16 else "ID pass@" + str(n // 2 or 1),
+              f"ID pass@{n}", "OOD pass@1", f"OOD pass@{n}", "ID distinct sols / problem", "ID coverage",
+              "entropy (end)", "train reward (end)"]
+    mid = min(16, max(n // 2, 1))
+    rows = []
+    base = {k: (v, math.nan) for k, v in results["base"].items() if not k.endswith("/curve")}
+    for name, agg, seeds in [("base (SFT)", base, 1)] + [(a, g, len(results["per_seed"][a]))
+                                                        for a, g in results["aggregate"].items()]:
+        rows.append([name, str(seeds) if name != "base (SFT)" else "–", _cell(agg, f"{id_split}/pass@1"),
+                     _cell(agg, f"{id_split}/pass@{mid}"), _cell(agg, f"{id_split}/pass@{n}"),
+                     _cell(agg, f"{ood}/pass@1"), _cell(agg, f"{ood}/pass@{n}"),
+                     _cell(agg, f"{id_split}/distinct", 2), _cell(agg, f"{id_split}/coverage"),
+                     _cell(agg, "train/entropy_end"), _cell(agg, "train/reward_end")])
+    return _table(header, rows)
+
+
+def _pass_table(results: Mapping[str, Any], split: str, n: int) -> str:
+    ks = _ks(n)
+    rows = [["base (SFT)"] + [fmt(results["base"][f"{split}/pass@{k}"]) for k in ks]]
+    rows += [[arm] + [_cell(agg, f"{split}/pass@{k}") for k in ks] for arm, agg in results["aggregate"].items()]
+    return _table(["arm"] + [f"pass@{k}" for k in ks], rows)
+
+
+def _coverage_table(results: Mapping[str, Any], splits: Sequence[str]) -> str:
+    header = ["arm"] + [f"{SPLIT_NAMES.get(s, s)}: {m}" for s in splits for m in ("distinct", "coverage")]
+    base = results["base"]
+    rows = [["base (SFT)"] + [fmt(base[f"{s}/{m}"], digits=2 if m == "distinct" else 3) for s in splits
+                              for m in ("distinct", "coverage")]]
+    rows += [[arm] + [_cell(agg, f"{s}/{m}", 2 if m == "distinct" else 3) for s in splits
+                      for m in ("distinct", "coverage")] for arm, agg in results["aggregate"].items()]
+    return _table(header, rows)
+
+
+def _share_rows(results: Mapping[str, Any], split: str) -> dict[str, dict[str, tuple[float, float]]]:
+    rows = {}
+    demo = results["meta"].get("demo_shares")
+    if demo:
+        rows["SFT demos"] = {s: (demo.get(s, 0.0), math.nan) for s in countdown.STRATEGIES}
+    rows["base (SFT)"] = {s: (results["base"][f"{split}/share/{s}"], math.nan) for s in countdown.STRATEGIES}
+    for arm, agg in results["aggregate"].items():
+        rows[arm] = {s: agg[f"{split}/share/{s}"] for s in countdown.STRATEGIES}
+    return rows
+
+
+def _share_table(rows: Mapping[str, Mapping[str, tuple[float, float]]]) -> str:
+    return _table(["run"] + list(countdown.STRATEGIES),
+                  [[name] + [fmt(*row[s]) for s in countdown.STRATEGIES] for name, row in rows.items()])
+
+
+def _pairs_table(results: Mapping[str, Any], splits: Sequence[str], n: int) -> str:
+    keys = [(f"{splits[0]}/pass@1", "ID pass@1"), (f"{splits[0]}/pass@{n}", f"ID pass@{n}"),
+            (f"{splits[-1]}/pass@1", "OOD pass@1"), (f"{splits[-1]}/pass@{n}", f"OOD pass@{n}"),
+            (f"{splits[0]}/distinct", "ID distinct")]
+    rows = []
+    per_seed = results["per_seed"]
+    for a, b in PAIRS:
+        if a in per_seed and b in per_seed:
+            rows.append([f"{a} − {b}"] + [_signed(*paired_difference(per_seed[a], per_seed[b], k)) for k, _ in keys])
+    return _table(["pair (same seeds)"] + [label for _, label in keys], rows) if rows else ""
+
+
+def _sweep_table(results: Mapping[str, Any], split: str, n: int) -> tuple[str, dict[str, np.ndarray], list, list]:
+    cells = results["sweep"]
+    gammas = sorted({c["gamma"] for c in cells.values()})
+    taus = sorted({c["tau"] for c in cells.values()})
+    grids = {f"pass@1 ({split})": np.full((len(gammas), len(taus)), np.nan),
+             f"pass@{n} ({split})": np.full((len(gammas), len(taus)), np.nan)}
+    rows = []
+    for cell in cells.values():
+        i, j = gammas.index(cell["gamma"]), taus.index(cell["tau"])
+        p1, pn = cell[f"{split}/pass@1"], cell[f"{split}/pass@{n}"]
+        grids[f"pass@1 ({split})"][i, j], grids[f"pass@{n} ({split})"][i, j] = p1[0], pn[0]
+        rows.append([str(cell["gamma"]), str(cell["tau"]), str(cell["seeds"]), fmt(*p1), fmt(*pn),
+                     fmt(*cell.get("train/entropy_end", (math.nan, math.nan))),
+                     fmt(*cell.get(f"{split}/distinct", (math.nan, math.nan)), digits=2)])
+    table = _table(["gamma", "tau", "seeds", "pass@1", f"pass@{n}", "entropy (end)", "distinct sols / problem"], rows)
+    return table, grids, gammas, taus
+
+
+def _times_table(meta: Mapping[str, Any]) -> str:
+    rows = [[arm, f"{t['train_wall_s']:.0f}", f"{t['train_cpu_s']:.0f}", f"{t['step_s']:.2f}", f"{t['eval_wall_s']:.0f}"]
+            for arm, t in meta.get("arm_times", {}).items()]
+    return _table(["arm", "RL wall s (mean/seed)", "RL CPU s", "median s / RL step", "eval wall s"], rows)
+
+
+def write(out_dir: str, results: Mapping[str, Any]) -> str:
+    """RESULTS.md, results.json and the PNGs in out_dir; returns the markdown."""
+    os.makedirs(out_dir, exist_ok=True)
+    meta = results["meta"]
+    splits, n = list(meta["splits"]), int(meta["n"])
+    agg = {a: g for a, g in results["aggregate"].items()}
+    base_curves = {f"{s}/curve": (results["base"][f"{s}/curve"], None) for s in splits}
+    figures = []
+    for s in splits:
+        name = f"pass_at_k_{s}.png"
+        plots.pass_at_k(agg, base_curves, s, os.path.join(out_dir, name),
+                        f"pass@k, {SPLIT_NAMES.get(s, s)} ({meta['problems'][s]} problems, n={n})")
+        figures.append(name)
+    plots.training(results["curves"], os.path.join(out_dir, "training_curves.png"))
+    share_rows = _share_rows(results, splits[0])
+    plots.strategy_shares(share_rows, countdown.STRATEGIES, os.path.join(out_dir, "strategy_shares.png"),
+                          f"strategy of correct samples, {SPLIT_NAMES.get(splits[0], splits[0])}")
+    md = [f"# SAGE on countdown: {len(agg)} arms × {meta['seeds']} seed(s), budget `{meta['budget']}`\n",
+          meta["description"] + "\n", "## Commands\n", "```\n" + "\n".join(meta["commands"]) + "\n```\n",
+          "## Headline\n", CI_NOTE + "\n", _headline(results, splits, n),
+          "ID = held-out 3-number problems, OOD = 4-number problems (never trained on). *distinct sols / problem*: "
+          "distinct correct solutions (countdown.canonical forms) among the n samples; *coverage*: that over all "
+          "solutions the problem has (countdown.solve), averaged over problems. *entropy / train reward (end)*: mean "
+          "of rl/entropy and rl/reward over the last 10% of RL steps.\n"]
+    pairs = _pairs_table(results, splits, n)
+    if pairs:
+        md += ["## Paired differences\n", "Arm minus its baseline over the same seeds; * marks an interval that "
+               "excludes 0.\n", pairs]
+    for s, fig in zip(splits, figures):
+        md += [f"## pass@k, {SPLIT_NAMES.get(s, s)}\n", f"![pass@k {s}]({fig})\n", _pass_table(results, s, n)]
+    md += ["## Mode coverage\n", _coverage_table(results, splits),
+           "## Strategy shares among correct samples\n",
+           "Top-level operation of each correct held-out sample (countdown.strategy, the classes of "
+           "countdown.strategy_shares): the analogue of the paper's reasoning-pattern table. *SFT demos* is what the "
+           "base was trained on.\n", "![strategy shares](strategy_shares.png)\n", _share_table(share_rows),
+           "OOD split:\n", _share_table({k: v for k, v in _share_rows(results, splits[-1]).items()
+                                         if k != "SFT demos"}),
+           "## Training dynamics\n", "![training curves](training_curves.png)\n"]
+    if results["sweep"]:
+        table, grids, gammas, taus = _sweep_table(results, splits[0], n)
+        plots.heatmaps(grids, gammas, taus, os.path.join(out_dir, "sweep_heatmap.png"))
+        md += ["## Branch sweep (GRPO + Branch, gamma × tau)\n", meta.get("sweep_note", "") + "\n",
+               "![sweep](sweep_heatmap.png)\n", table]
+    md += ["## Setup and hyperparameters\n", meta["setup"] + "\n", "```\n" + meta["hyperparameters"] + "\n```\n",
+           "## Run times\n", meta["timing"] + "\n", _times_table(meta), "## Caveats\n", meta["caveats"] + "\n"]
+    text = "\n".join(md)
+    evaluation.write_json(os.path.join(out_dir, "results.json"), _jsonable(results))
+    with open(os.path.join(out_dir, "RESULTS.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    return text
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and math.isnan(x):
+        return None
+    if isinstance(x, (np.floating, np.integer)):
+        return _jsonable(x.item())
+    return x

@@ -1,0 +1,257 @@
+"""The CPU-scale SAGE comparison on countdown: one SFT base, RL with every arm and seed, evaluation, RESULTS.md.
+
+    python -m sage_jax.experiments.reproduce --out docs/results --quick       # ~15 min on 2 idle CPU cores
+    python -m sage_jax.experiments.reproduce --out docs/results               # 10 arms x 3 seeds, ~3 h
+    python -m sage_jax.experiments.reproduce --out DIR --sweep                # + Branch gamma x tau grid
+
+Everything runs in this one process (compiled sampler and log-prob programs are shared between runs). Checkpoints
+and per-run records go under --work/BUDGET (default /tmp/sage_reproduce): base/ (the SFT model, trained once),
+runs/ARM/seedK/ and sweep/gammaG_tauT/seedK/, each finished run holding record.json; rerunning the command skips
+what is finished and resumes the rest. --out gets only RESULTS.md, results.json and PNGs.
+Arms and budgets live in configs/countdown_arms.py; `--config.key=value` overrides apply to every arm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import jax
+import numpy as np
+
+from sage_jax import config as config_lib
+from sage_jax import evaluation, rollouts, supervised, tasks, trainer
+from sage_jax.experiments import measure, report, text
+from sage_jax.rewards import countdown
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG_FILE = ROOT / "configs" / "countdown_arms.py"
+SPLITS = ("countdown", "countdown_ood")
+
+
+def arms_module():
+    config_lib.load_file(f"{CONFIG_FILE}:grpo")  # puts the repository root on sys.path for `configs`
+    from configs import countdown_arms
+    return countdown_arms
+
+
+def load_config(arm: str, budget: str, overrides: Sequence[str] = (), seed: int = 0, **loss: float):
+    config = config_lib.load(f"{CONFIG_FILE}:{arm},{budget}", overrides)
+    config.seed = seed
+    for key, value in loss.items():
+        config.loss[key] = value
+    return config
+
+
+def fingerprint(config, sections: Sequence[str]) -> str:
+    d = config.to_dict()
+    picked = {k: d[k] for k in sections}
+    picked["ood_problems"] = d["experiment"]["ood_problems"]
+    return hashlib.sha256(json.dumps(picked, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def shared_task(task: tasks.Task) -> Iterator[None]:
+    """Every run uses this one task. tasks.build draws the problems from config.seed, which would tie the train and
+    held-out sets to the RL seed (and leak held-out problems into other seeds' training); until config.data has a
+    seed of its own, runs take the base's problems and config.seed keys only sampling, guides and prompt order."""
+    build = tasks.build
+    tasks.build = lambda config, tokenizer_path="": task
+    try:
+        yield
+    finally:
+        tasks.build = build
+
+
+def use_compile_cache(path: str) -> None:
+    """Persist compiled programs: each run makes fresh jits (init, train state, train_step), which otherwise
+    recompile identical programs for every seed and every rerun."""
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def _read(path: str) -> dict[str, Any] | None:
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _check_same(record: dict[str, Any], fp: str, where: str) -> dict[str, Any]:
+    if record.get("fingerprint") != fp:
+        raise ValueError(f"{where} was made with different settings (budget or --config overrides); pass a fresh "
+                         f"--work directory or delete {os.path.dirname(where)}")
+    return record
+
+
+# --------------------------------------------------------------------------------------------------- evaluation
+
+def eval_sets(task: tasks.Task, config) -> dict[str, list[dict[str, Any]]]:
+    sizes = {"countdown": config.eval.problems, "countdown_ood": config.experiment.ood_problems}
+    return {s: [task.gold(ex) for ex in task.evals[s][:sizes[s]]] for s in SPLITS}
+
+
+def evaluate_policy(task, cfg, params, config, key) -> dict[str, list[dict[str, Any]]]:
+    ev = config.eval
+    return {s: measure.sample_problems(cfg, params, task.tokenizer, golds, n=ev.n, max_new_tokens=ev.max_new_tokens,
+                                       temperature=ev.temperature, min_p=ev.min_p,
+                                       key=jax.random.fold_in(key, i), rows_per_call=config.experiment.rows_per_call)
+            for i, (s, golds) in enumerate(eval_sets(task, config).items())}
+
+
+def entropy_profile(task, cfg, params, config, taus: Sequence[float]) -> dict[str, Any]:
+    """Per-token entropy of the policy on its own held-out samples (what Branch's tau is compared against)."""
+    ro_cfg = config.rollout.copy_and_resolve_references()
+    with ro_cfg.unlocked():
+        ro_cfg.group_size = 8
+    ro = rollouts.rollout(task, cfg, params, task.evals["countdown"][:32], ro_cfg, jax.random.key(12345),
+                          config.data.max_prompt_len)
+    batch = rollouts.build_batch(ro, np.zeros(len(ro["texts"]), np.float32), cfg.pad_token_id, ro_cfg.max_new_tokens)
+    _, entropy_NxC = trainer.sequence_logprobs(cfg, params, batch["tokens"], batch["mask"],
+                                               prompt_len=ro["prompt_tokens"].shape[1],
+                                               temperature=ro_cfg.temperature or 1.0)
+    ent = np.asarray(entropy_NxC)[batch["completion_mask"] > 0]
+    qs = (0.5, 0.75, 0.9, 0.95, 0.99)
+    return {"mean": float(ent.mean()), "quantiles": {str(q): float(v) for q, v in zip(qs, np.quantile(ent, qs))},
+            "frac_above": {str(t): float((ent > t).mean()) for t in taus}, "tokens": int(ent.size)}
+
+
+# --------------------------------------------------------------------------------------------------- runs
+
+def train_base(task, config, work: str) -> tuple[Any, Any, dict[str, Any]]:
+    """The shared SFT model (resumable) and its record: evaluation, entropy profile, demo strategy shares, times."""
+    path = os.path.join(work, "base", "record.json")
+    fp = fingerprint(config, ("model", "data", "sft", "eval", "seed"))
+    record = _read(path)
+    if record is not None:
+        _check_same(record, fp, path)
+    t0, c0 = time.perf_counter(), time.process_time()
+    cfg, params = supervised.run_sft(config, os.path.join(work, "base"))
+    host_params = jax.device_get(params)  # each run gets fresh device buffers from it (the train state is donated)
+    if record is not None:
+        print(f"[base] reusing {os.path.dirname(path)}", flush=True)
+        return cfg, host_params, record
+    sft_s, sft_cpu = time.perf_counter() - t0, time.process_time() - c0
+    demos = supervised.demonstrations(config, task)
+    demo_counts: dict[str, int] = {}
+    for _, completion in demos:
+        s = countdown.strategy(countdown.extract_expression(completion)[0])
+        demo_counts[s] = demo_counts.get(s, 0) + 1
+    t1 = time.perf_counter()
+    evals = evaluate_policy(task, cfg, params, config, jax.random.key(10_000))
+    record = {"fingerprint": fp, "eval": evals, "curves": {}, "sft_steps": config.sft.steps,
+              "demo_shares": {s: c / len(demos) for s, c in demo_counts.items()},
+              "entropy": entropy_profile(task, cfg, params, config, config.experiment.sweep_taus),
+              "times": {"sft_wall_s": sft_s, "sft_cpu_s": sft_cpu, "eval_wall_s": time.perf_counter() - t1}}
+    evaluation.write_json(path, record)
+    del params
+    print(f"[base] SFT {config.sft.steps} steps {sft_s:.0f}s, eval {record['times']['eval_wall_s']:.0f}s", flush=True)
+    return cfg, host_params, record
+
+
+def run_one(task, config, base_params, run_dir: str, label: str) -> dict[str, Any]:
+    """RL from the base with `config` in run_dir (resumable), then the evaluation; the run's record."""
+    path = os.path.join(run_dir, "record.json")
+    fp = fingerprint(config, ("model", "data", "sft", "eval", "rollout", "loss", "optim", "train", "seed"))
+    record = _read(path)
+    if record is not None:
+        return _check_same(record, fp, path)
+    t0, c0 = time.perf_counter(), time.process_time()
+    summary = trainer.run_rl(config, run_dir, params_override=base_params)
+    train_s, train_cpu = time.perf_counter() - t0, time.process_time() - c0
+    t1 = time.perf_counter()
+    evals = evaluate_policy(task, summary["model_cfg"], summary["state"]["params"], config,
+                            jax.random.key(20_000 + config.seed))
+    del summary
+    curves = measure.training_curves(run_dir)
+    steps = [s for s in curves["step_s"][1:] if s is not None]
+    record = {"fingerprint": fp, "label": label, "seed": config.seed, "eval": evals, "curves": curves,
+              "times": {"train_wall_s": train_s, "train_cpu_s": train_cpu, "eval_wall_s": time.perf_counter() - t1,
+                        "step_s": statistics.median(steps) if steps else float("nan")}}
+    evaluation.write_json(path, record)
+    ev = report.summarize_run(record)
+    n = config.eval.n
+    print(f"[{label}] RL {config.train.steps} steps {train_s:.0f}s, eval {record['times']['eval_wall_s']:.0f}s | "
+          f"ID pass@1 {ev['countdown/pass@1']:.3f} pass@{n} {ev[f'countdown/pass@{n}']:.3f} | "
+          f"OOD pass@1 {ev['countdown_ood/pass@1']:.3f} pass@{n} {ev[f'countdown_ood/pass@{n}']:.3f}", flush=True)
+    return record
+
+
+def run_experiment(out: str, work: str, budget: str, seeds: int | None, arms: Sequence[str], sweep: bool,
+                   overrides: Sequence[str], command: str) -> dict[str, Any]:
+    t_start, c_start, load_start = time.perf_counter(), time.process_time(), os.getloadavg()
+    work = os.path.join(work, budget)
+    base_config = load_config("grpo", budget, overrides)
+    seeds = seeds or base_config.experiment.seeds
+    sweep_seeds = min(seeds, base_config.experiment.sweep_seeds)
+    task = tasks.build(base_config)
+    records: dict[str, dict[int, Any]] = {arm: {} for arm in arms}
+    sweep_records: dict[tuple[float, float], dict[int, Any]] = {}
+    with shared_task(task):
+        _, base_params, base_record = train_base(task, base_config, work)
+        for seed in range(seeds):  # seed-major: an interrupted experiment has every arm at the first seeds
+            for arm in arms:
+                config = load_config(arm, budget, overrides, seed=seed)
+                records[arm][seed] = run_one(task, config, base_params, os.path.join(work, "runs", arm, f"seed{seed}"),
+                                             f"{arm} seed{seed}")
+        if sweep:
+            for gamma in base_config.experiment.sweep_gammas:
+                for tau in base_config.experiment.sweep_taus:
+                    cell = sweep_records.setdefault((gamma, tau), {})
+                    for seed in range(sweep_seeds):
+                        config = load_config("grpo_branch", budget, overrides, seed=seed, gamma=gamma, tau=tau)
+                        cell[seed] = run_one(task, config, base_params,
+                                             os.path.join(work, "sweep", f"gamma{gamma}_tau{tau}", f"seed{seed}"),
+                                             f"branch gamma={gamma} tau={tau} seed{seed}")
+    wall, cpu = time.perf_counter() - t_start, time.process_time() - c_start
+    meta = text.meta(base_config, budget, seeds, arms, sweep, sweep_seeds, command, base_record, records,
+                     sweep_records, wall, cpu, (load_start, os.getloadavg()), arms_module())
+    results = report.build(base_record, records, sweep_records, meta)
+    report.write(out, results)
+    print(f"wrote {os.path.join(out, 'RESULTS.md')} ({wall / 60:.1f} min wall, {cpu / 60:.1f} min CPU)", flush=True)
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides, rest = config_lib.split_config_flags(argv)
+    parser = argparse.ArgumentParser(description="SAGE vs GRPO-family arms on countdown (CPU scale)")
+    parser.add_argument("--out", required=True, help="report directory: RESULTS.md, results.json, PNGs")
+    parser.add_argument("--work", default="/tmp/sage_reproduce", help="checkpoints and run records (resumable)")
+    parser.add_argument("--quick", action="store_true", help="the ~15-minute budget (1 seed, smaller eval)")
+    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--budget", choices=("tiny", "quick", "full"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--seeds", type=int, default=None, help="RL seeds per arm (default: the budget's)")
+    parser.add_argument("--arms", default="", help="comma-separated subset of the arms (default: all)")
+    parser.add_argument("--sweep", action="store_true", help="also run the Branch gamma x tau grid")
+    parser.add_argument("--compile-cache", default=None,
+                        help="JAX persistent compilation cache (default WORK/jax_cache; 'off' disables)")
+    args = parser.parse_args(rest)
+    budget = args.budget or ("tiny" if args.tiny else "quick" if args.quick else "full")
+    known = list(arms_module().ARMS)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()] or known
+    unknown = [a for a in arms if a not in known]
+    if unknown:
+        raise ValueError(f"--arms: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+    if args.seeds is not None and args.seeds < 1:
+        raise ValueError(f"--seeds={args.seeds}: need at least 1")
+    command = "python -m sage_jax.experiments.reproduce " + " ".join(argv)
+    cache = args.compile_cache or os.path.join(args.work, "jax_cache")
+    if cache != "off" and not jax.config.jax_compilation_cache_dir:
+        use_compile_cache(cache)
+    run_experiment(args.out, args.work, budget, args.seeds, arms, args.sweep, overrides, command)
+    return 0
+
+
+if __name__ == "__main__":
+    from sage_jax import cli
+    cli.main_guard(main)

@@ -1,0 +1,145 @@
+"""The report's prose: description, commands, hyperparameters, run times and the full-run estimate, caveats."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from typing import Any, Mapping, Sequence
+
+SPLITS = ("countdown", "countdown_ood")
+
+
+def _flat(d: Mapping[str, Any], prefix: str = "") -> list[str]:
+    lines = []
+    for k in sorted(d):
+        v = d[k]
+        if isinstance(v, Mapping):
+            lines += _flat(v, f"{prefix}{k}.")
+        else:
+            lines.append(f"{prefix}{k} = {v!r}")
+    return lines
+
+
+def arm_times(records: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> dict[str, dict[str, float]]:
+    out = {}
+    for arm, runs in records.items():
+        times = [r["times"] for r in runs.values()]
+        if times:
+            out[arm] = {k: statistics.fmean(t[k] for t in times)
+                        for k in ("train_wall_s", "train_cpu_s", "eval_wall_s", "step_s")}
+    return out
+
+
+def estimate(full, base_record, records, sweep_records, n_arms: int, wall: float, cpu: float) -> dict[str, float]:
+    """Seconds a `full` run (+ sweep) would take, extrapolated from this run's measured costs.
+
+    Per-step costs carry over because the budgets differ only in step counts, seeds and evaluation sizes:
+    a run costs (its fixed overhead: compiles, setup) + (median step time) x steps; evaluation costs a measured
+    time per sampled completion; SFT a measured time per step.
+    """
+    runs = [r for arm in records.values() for r in arm.values()]
+    if not runs:
+        return {}
+    per_step = statistics.median(r["times"]["step_s"] for r in runs)
+    overhead = statistics.median(max(r["times"]["train_wall_s"] - r["times"]["step_s"] * len(r["curves"]["step"]), 0.0)
+                                 for r in runs)
+    rows = {id(r): sum(len(s) * s[0]["n"] for s in r["eval"].values()) for r in runs}
+    per_row = statistics.median(r["times"]["eval_wall_s"] / rows[id(r)] for r in runs)
+    sft_steps = max(base_record.get("sft_steps", 1), 1)
+    sft = base_record["times"]["sft_wall_s"] / sft_steps * full.sft.steps
+    full_rows = full.eval.n * (full.eval.problems + full.experiment.ood_problems)
+    one_run = overhead + per_step * full.train.steps + per_row * full_rows
+    est = {"sft_s": sft, "per_run_s": one_run, "rl_runs": n_arms * full.experiment.seeds,
+           "total_s": sft + per_row * full_rows + n_arms * full.experiment.seeds * one_run,
+           "sweep_s": len(full.experiment.sweep_gammas) * len(full.experiment.sweep_taus) * full.experiment.sweep_seeds
+           * one_run, "per_step_s": per_step, "overhead_s": overhead, "per_row_ms": per_row * 1e3,
+           "cpu_share": cpu / max(wall, 1e-9) / (os.cpu_count() or 1)}
+    return est
+
+
+def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, sweep_seeds: int, command: str,
+         base_record: Mapping[str, Any], records, sweep_records, wall: float, cpu: float, loads, arms_mod
+         ) -> dict[str, Any]:
+    from sage_jax import trainer
+    from sage_jax.experiments.reproduce import load_config
+    from sage_jax.rewards import countdown
+    n = int(config.eval.n)
+    problems = {s: len(base_record["eval"][s]) for s in SPLITS}
+    full = load_config("grpo", "full")
+    est = estimate(full, base_record, records, sweep_records, len(arms_mod.ARMS), wall, cpu)
+    cores = os.cpu_count() or 1
+    m = config.model
+    num_params = trainer.model_config(config, vocab_size=countdown.CountdownTokenizer().vocab_size).num_params
+    description = (
+        "RL from one shared SFT base on countdown (reach a target with + - * / using each given number once; "
+        "verifiable, several distinct solutions per problem). The base's SFT demonstrations spread unevenly over "
+        f"valid strategies ({', '.join(f'{k} {v}' for k, v in config.sft.mode_weights.items())}: a dominant mode and "
+        "rarer valid ones), so RL can sharpen onto the dominant mode or keep the rare ones. Every arm starts from "
+        "the same base, uses the same seeds (seed = RL sampling + guide randomness + prompt order), budget and "
+        "hyperparameters, and differs from GRPO only in its row of the arms table. pass@k is the unbiased estimator "
+        f"(evaluation.pass_at_k) from n = {n} samples per problem, for k = 1..{n}.")
+    arm_lines = ["| arm | difference from grpo |", "|---|---|"] + [
+        f"| {a} | {', '.join(f'{k}={v!r}' for k, v in arms_mod.ARMS[a].items()) or '(reference: k3 anchor, no guide)'} |"
+        for a in arms]
+    ent = base_record.get("entropy", {})
+    ent_line = ""
+    if ent:
+        ent_line = (f"\n\nBase policy entropy on its own held-out samples ({ent['tokens']} tokens): mean "
+                    f"{ent['mean']:.3f} nats; quantiles " + ", ".join(f"q{float(q) * 100:g} {v:.2f}"
+                                                                     for q, v in ent["quantiles"].items())
+                    + "; fraction of tokens above tau: " + ", ".join(f"{t}: {v:.3f}"
+                                                                      for t, v in ent["frac_above"].items()) + ".")
+    setup = (f"Model: Qwen2-style decoder, {m.num_layers} layers, width {m.hidden_size}, {m.num_heads} heads "
+             f"({m.num_kv_heads} KV), MLP {m.intermediate_size}, character tokenizer (~{num_params / 1e6:.2f}M "
+             f"parameters), fp32. Data: {config.data.num_train} training problems (3 numbers in 1..{config.data.max_number}),"
+             f" held-out {problems['countdown']} problems from the same generator, OOD {problems['countdown_ood']} "
+             f"problems with 4 numbers. SFT: {config.sft.steps} steps x {config.sft.batch_size} on "
+             f"{config.sft.num_demos} demonstrations. RL: {config.train.steps} steps x {config.rollout.prompts_per_step}"
+             f" prompts x {config.rollout.group_size} samples, lr {config.optim.lr}, beta {config.loss.beta}; "
+             f"Branch gamma {config.loss.gamma}, tau {config.loss.tau}. Seeds per arm: {seeds}.\n\n"
+             + "\n".join(arm_lines) + ent_line + "\n\nFull configuration of the grpo arm (configs/countdown_arms.py"
+             f":grpo,{budget}):")
+    hyper = "\n".join(_flat({k: v for k, v in config.to_dict().items() if k not in ("mesh",)}))
+    times = arm_times(records)
+    base_t = base_record["times"]
+    timing = (f"This run: {wall / 60:.1f} min wall, {cpu / 60:.1f} min process CPU on {cores} cores (load average "
+              f"{loads[0][0]:.1f} at the start, {loads[1][0]:.1f} at the end: the machine was shared, so wall times "
+              f"are inflated). SFT base: {base_t['sft_wall_s']:.0f} s ({config.sft.steps} steps), base eval "
+              f"{base_t['eval_wall_s']:.0f} s (times from when the base was made).")
+    if est:
+        timing += (
+            f"\n\nEstimated `full` run (10 arms x {full.experiment.seeds} seeds, {full.train.steps} RL steps, "
+            f"{full.sft.steps} SFT steps, n={full.eval.n} on {full.eval.problems}+{full.experiment.ood_problems} "
+            f"problems), extrapolated from this run's measured costs (median {est['per_step_s']:.2f} s per RL step, "
+            f"{est['overhead_s']:.0f} s fixed per run, {est['per_row_ms']:.2f} ms per sampled eval completion): "
+            f"{est['total_s'] / 3600:.1f} h at this run's speed"
+            + (f", about {est['total_s'] * min(est['cpu_share'], 1.0) / 3600:.1f} h on {cores} idle cores (this "
+               f"process got {est['cpu_share'] * 100:.0f}% of the cores)" if est['cpu_share'] < 0.95 else "")
+            + f"; `--sweep` adds {est['sweep_s'] / 3600:.1f} h ({len(full.experiment.sweep_gammas)} x "
+              f"{len(full.experiment.sweep_taus)} cells x {full.experiment.sweep_seeds} seed).")
+    caveats = "\n".join([
+        "- A sub-1M-parameter model, a few dozen RL steps and a synthetic task: a test of the mechanism (does "
+        "reshaping the anchor keep rare valid modes), not of the paper's numbers.",
+        f"- {seeds} seed(s) per arm" + (": no intervals; differences between arms are within what seeds move"
+                                        " unless a full run says otherwise." if seeds < 2 else
+                                        "; 95% t-intervals with so few seeds are wide."),
+        "- DAPO arms draw extra rollouts when groups have zero reward variance (dynamic sampling, up to "
+        f"{config.train.max_resample} extra rounds), so they spend more sampling compute per step; overlong "
+        "shaping is off (completions are ~10 tokens of a 24-token budget).",
+        "- BNPO here is its token-mean loss aggregation (no beta-normalised advantages).",
+        "- The trainer draws countdown problems from config.seed; until config.data has its own seed, every run "
+        "here reuses the base's problem sets (see reproduce.shared_task), so seeds change RL randomness only.",
+        "- Coverage on OOD problems is small by construction: 4-number problems have dozens of distinct solutions."])
+    commands = [command, "", "# budgets (same code; see configs/countdown_arms.py):",
+                "python -m sage_jax.experiments.reproduce --out docs/results --quick",
+                "python -m sage_jax.experiments.reproduce --out docs/results --seeds 3",
+                "python -m sage_jax.experiments.reproduce --out docs/results --sweep"]
+    sweep_note = (f"{sweep_seeds} seed(s) per cell, otherwise the grpo_branch arm; taus chosen around the base "
+                  "policy's token entropies (see the setup section).")
+    return {"budget": budget, "seeds": seeds, "arms": list(arms), "n": n, "splits": list(SPLITS),
+            "problems": problems, "description": description, "setup": setup, "hyperparameters": hyper,
+            "timing": timing, "caveats": caveats, "commands": commands, "arm_times": times,
+            "demo_shares": base_record.get("demo_shares"), "sweep_note": sweep_note,
+            "base_entropy": ent, "estimate": est, "wall_s": wall, "cpu_s": cpu, "loadavg": [list(l) for l in loads],
+            "sweep": sweep}
