@@ -29,8 +29,8 @@ def get_config(arg=None):
         task="math", train="math_train_l3to5", eval="math500", data_dir="", template="qwen_math_boxed",
         problem_field="", answer_field="", max_prompt_len=2048, eval_problems=0,
         # countdown / kk generators
-        num_train=2000, num_eval=200, num_numbers=3, max_number=15, ood_num_numbers=4, kk_people=(3, 4, 5),
-        kk_ood_people=(6, 7)))
+        num_train=2000, num_eval=200, num_numbers=3, max_number=15, ood_num_numbers=3, ood_max_number=25,
+        kk_people=(3, 4, 5), kk_ood_people=(6, 7)))
 
     c.rollout = ml_collections.ConfigDict(dict(
         prompts_per_step=64, group_size=8, temperature=1.0, top_p=1.0, top_k=0, min_p=0.01, max_new_tokens=6144))

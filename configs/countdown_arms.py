@@ -39,13 +39,13 @@ ARMS: dict[str, dict[str, Any]] = {
 BUDGETS: dict[str, dict[str, Any]] = {
     # the test suite's: seconds per arm, numbers meaningless
     "tiny": {"model.hidden_size": 32, "model.num_layers": 1, "model.intermediate_size": 64,
-             "data.num_train": 64, "data.num_eval": 4, "sft.steps": 4, "sft.batch_size": 16, "sft.num_demos": 64,
+             "data.num_train": 64, "data.num_eval": 4, "experiment.sft_problems": 32, "sft.steps": 4, "sft.batch_size": 16, "sft.num_demos": 64,
              "sft.warmup_steps": 1, "rollout.prompts_per_step": 2, "rollout.group_size": 4,
              "rollout.max_new_tokens": 16, "train.steps": 2, "train.max_resample": 1, "eval.n": 8,
              "eval.problems": 2, "eval.max_new_tokens": 16, "experiment.seeds": 1, "experiment.ood_problems": 2,
              "experiment.rows_per_call": 16, "experiment.sweep_gammas": (0.3, 1.0), "experiment.sweep_taus": (0.3,)},
-    # ~15 minutes: a smaller SFT, 1 seed, 64 samples on 48 + 24 problems
-    "quick": {"sft.steps": 300, "train.steps": 24, "eval.n": 64, "eval.problems": 48,
+    # ~15 minutes: a shorter SFT and RL, 1 seed, 64 samples on 48 + 24 problems
+    "quick": {"sft.steps": 500, "train.steps": 24, "eval.n": 64, "eval.problems": 48,
               "experiment.ood_problems": 24, "experiment.seeds": 1},
     "full": {},
 }
@@ -78,7 +78,9 @@ def get_config(arg=None):
     c.seed = 0
     c.model.update(preset="tiny", hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=384,
                    compute_dtype="float32", ref_dtype="float32", logits_chunk=64)
-    c.data.update(task="countdown", num_train=1000, num_eval=200, max_number=15, max_prompt_len=32, eval="",
+    # 1800 training problems: the first experiment.sft_problems for SFT demonstrations, the rest RL prompts (unseen
+    # by the base, so RL has to generalise rather than replay memorised answers)
+    c.data.update(task="countdown", num_train=1800, num_eval=200, max_number=20, max_prompt_len=32, eval="",
                   ood_num_numbers=4)
     c.rollout.update(prompts_per_step=16, group_size=8, max_new_tokens=24, temperature=1.0, min_p=0.0)
     c.loss.update(guide="none", kl_estimator="k3", beta=0.05, gamma=0.3, tau=0.6)
@@ -91,7 +93,7 @@ def get_config(arg=None):
     c.sft.update(steps=800, lr=2e-3, warmup_steps=30, batch_size=64, data="countdown", num_demos=4000)
     c.sft.mode_weights.update(mul=0.7, add=0.2, sub=0.07, div=0.03)
     c.experiment = ml_collections.ConfigDict(dict(
-        budget=budget, arm=arm, seeds=3, ood_problems=48, rows_per_call=4096,
+        budget=budget, arm=arm, seeds=3, sft_problems=1000, ood_problems=32, rows_per_call=4096,
         sweep_gammas=(0.1, 0.3, 1.0), sweep_taus=(0.3, 0.6, 1.2), sweep_seeds=1))
     _set(c, BUDGETS[budget])
     _set(c, ARMS[arm])

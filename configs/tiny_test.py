@@ -12,7 +12,7 @@ def get_config(arg=None):
     c.model.update(preset="tiny", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
                    compute_dtype="float32", ref_dtype="float32", logits_chunk=32)
     c.data.update(task="countdown", num_train=200, num_eval=16, max_number=9, max_prompt_len=32, eval="",
-                  ood_num_numbers=0)
+                  ood_max_number=0)
     c.rollout.update(prompts_per_step=4, group_size=4, max_new_tokens=16, min_p=0.0)
     c.loss.update(guide="branch", tau=0.5)
     c.optim.update(lr=1e-3, warmup_steps=0, weight_decay=0.0)

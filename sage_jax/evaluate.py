@@ -216,15 +216,16 @@ def load_examples(name: str, data_dir: str, limit: int, run_config: Any, data_se
     from sage_jax.data import loaders
     base, split = split_name(name)
     if base in COUNTDOWN_SETS:
-        d = run_config.data if run_config is not None else None
-        if d is None:
+        if run_config is None:
             examples = loaders.load_dataset("countdown", COUNTDOWN_SETS[base], seed=data_seed)
-        elif base == "countdown":
-            examples = loaders.load_dataset("countdown", "test", num_examples=d.num_eval, seed=data_seed,
-                                            num_train=d.num_train, high=d.max_number)
         else:
-            examples = loaders.load_dataset("countdown", "test_ood", num_examples=min(d.num_eval, 100),
-                                            seed=data_seed, high=min(d.max_number, 12))
+            from sage_jax import tasks
+            run_config = run_config.copy_and_resolve_references()
+            with run_config.unlocked():
+                run_config.seed = data_seed
+            examples = tasks.countdown_sets(run_config).get(base)
+            if examples is None:
+                raise ValueError(f"the run's config has no {base} split (data.ood_max_number is 0)")
     else:
         examples = loaders.load_dataset(base, split or "test", data_dir=data_dir or None)
     if not examples:

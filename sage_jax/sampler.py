@@ -108,7 +108,8 @@ def filter_logits(logits_BxV: jax.Array, top_k: int = 0, top_p: float | jax.Arra
     keep_BxV = jnp.ones(logits_BxV.shape, jnp.bool_)
     if 0 < top_k < V:
         sorted_BxK = jax.lax.top_k(logits_BxV, top_k)[0]
-        keep_BxV = logits_BxV >= sorted_BxK[..., -1:]
+        # min, not [..., -1]: slicing the last value defeats XLA's TopK rewrite and sorts the whole vocabulary.
+        keep_BxV = logits_BxV >= jnp.min(sorted_BxK, axis=-1, keepdims=True)
         if top_p is not None:  # the nucleus lies inside the top k: work on the k sorted values only
             probs_BxK = jax.nn.softmax(sorted_BxK, axis=-1)
             mass_before_BxK = jnp.cumsum(probs_BxK, axis=-1) - probs_BxK

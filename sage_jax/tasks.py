@@ -79,6 +79,24 @@ class _CountdownTok:
         return self._tok.decode(ids)
 
 
+def countdown_sets(config) -> dict[str, list[Example]]:
+    """train / countdown (held out) / countdown_ood (a wider number range) for the run's config and seed.
+
+    The OOD split keeps 3 numbers but draws them from [2, data.ood_max_number], beyond the training range.
+    """
+    from sage_jax.rewards import countdown
+    d = config.data
+    train = countdown.generate_problems(d.num_train, config.seed, num_numbers=d.num_numbers, high=d.max_number)
+    sets = {"train": loaders.countdown_examples(train),
+            "countdown": loaders.countdown_examples(countdown.generate_problems(
+                d.num_eval, config.seed + 1, num_numbers=d.num_numbers, high=d.max_number, exclude=train))}
+    if d.ood_max_number:
+        sets["countdown_ood"] = loaders.countdown_examples(countdown.generate_problems(
+            min(d.num_eval, 100), config.seed + 2, num_numbers=d.ood_num_numbers, low=2, high=d.ood_max_number,
+            exclude=train))
+    return sets
+
+
 def _split_names(text: str) -> list[str]:
     return [s.strip() for s in text.split(",") if s.strip()]
 
@@ -88,16 +106,9 @@ def build(config, tokenizer_path: str = "") -> Task:
     d = config.data
     limit = d.eval_problems or None
     if d.task == "countdown":
-        opts = dict(high=d.max_number)
-        train = loaders.load_dataset("countdown", "train", num_examples=d.num_train, seed=config.seed, **opts)
-        test = loaders.load_dataset("countdown", "test", num_examples=d.num_eval, seed=config.seed,
-                                    num_train=d.num_train, **opts)
-        evals = {"countdown": test}
-        if d.ood_num_numbers:
-            ood_opts = dict(opts, high=min(d.max_number, 12))
-            evals["countdown_ood"] = loaders.load_dataset("countdown", "test_ood", num_examples=min(d.num_eval, 100),
-                                                          seed=config.seed, **ood_opts)
-        return Task("countdown", "countdown", _CountdownTok(), "plain", train, evals)
+        sets = countdown_sets(config)
+        train = sets.pop("train")
+        return Task("countdown", "countdown", _CountdownTok(), "plain", train, sets)
 
     from sage_jax.tokenizer import Tokenizer
     path = tokenizer_path or config.tokenizer_path or config.model.path

@@ -138,6 +138,13 @@ def test_filters_on_crafted_distribution():
     assert all(kept())
 
 
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_filters_never_sort_the_vocabulary(top_k):
+    hlo = jax.jit(sampler.filter_logits, static_argnames="top_k").lower(
+        jnp.zeros((2, 64)), top_k=top_k, top_p=0.9, min_p=0.1).compile().as_text()
+    assert " sort(" not in hlo
+
+
 def test_eos_stops_rows_and_pads(params):
     free = _np(sampler.generate(CFG, params, PROMPTS, max_new_tokens=10, temperature=0.0, eos_ids=()))
     eos = (int(free["tokens"][0, 3]), int(free["tokens"][2, 5]))

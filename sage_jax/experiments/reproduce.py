@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -54,15 +55,17 @@ def load_config(arm: str, budget: str, overrides: Sequence[str] = (), seed: int 
 def fingerprint(config, sections: Sequence[str]) -> str:
     d = config.to_dict()
     picked = {k: d[k] for k in sections}
-    picked["ood_problems"] = d["experiment"]["ood_problems"]
+    picked["experiment"] = {k: d["experiment"][k] for k in ("sft_problems", "ood_problems")}
     return hashlib.sha256(json.dumps(picked, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 @contextlib.contextmanager
 def shared_task(task: tasks.Task) -> Iterator[None]:
-    """Every run uses this one task. tasks.build draws the problems from config.seed, which would tie the train and
-    held-out sets to the RL seed (and leak held-out problems into other seeds' training); until config.data has a
-    seed of its own, runs take the base's problems and config.seed keys only sampling, guides and prompt order."""
+    """SFT and RL runs use this task (so each sees its own part of the training problems, see split_task).
+
+    Also, tasks.build draws the problems from config.seed, which would tie the problem sets to the RL seed (and
+    leak held-out problems into other seeds' training); with the task built once from the base config, config.seed
+    keys only sampling, guides and prompt order."""
     build = tasks.build
     tasks.build = lambda config, tokenizer_path="": task
     try:
@@ -77,6 +80,15 @@ def use_compile_cache(path: str) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def split_task(task: tasks.Task, sft_problems: int) -> tuple[tasks.Task, tasks.Task]:
+    """(SFT task, RL task): disjoint training problems, the same evaluation sets."""
+    if not 0 < sft_problems < len(task.train):
+        raise ValueError(f"experiment.sft_problems={sft_problems} must leave RL problems among the "
+                         f"{len(task.train)} training problems (data.num_train)")
+    return (dataclasses.replace(task, train=task.train[:sft_problems]),
+            dataclasses.replace(task, train=task.train[sft_problems:]))
 
 
 def _read(path: str) -> dict[str, Any] | None:
@@ -193,11 +205,13 @@ def run_experiment(out: str, work: str, budget: str, seeds: int | None, arms: Se
     base_config = load_config("grpo", budget, overrides)
     seeds = seeds or base_config.experiment.seeds
     sweep_seeds = min(seeds, base_config.experiment.sweep_seeds)
-    task = tasks.build(base_config)
+    sft_task, rl_task = split_task(tasks.build(base_config), base_config.experiment.sft_problems)
     records: dict[str, dict[int, Any]] = {arm: {} for arm in arms}
     sweep_records: dict[tuple[float, float], dict[int, Any]] = {}
-    with shared_task(task):
-        _, base_params, base_record = train_base(task, base_config, work)
+    with shared_task(sft_task):
+        _, base_params, base_record = train_base(sft_task, base_config, work)
+    task = rl_task
+    with shared_task(rl_task):
         for seed in range(seeds):  # seed-major: an interrupted experiment has every arm at the first seeds
             for arm in arms:
                 config = load_config(arm, budget, overrides, seed=seed)
