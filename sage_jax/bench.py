@@ -45,11 +45,12 @@ def _median_seconds(fns: dict[str, Callable[[], None]], repeats: int) -> dict[st
 
 # --------------------------------------------------------------------------------------------------- sampler
 
-def _hf_generate_fn(model_dir: str, dtype: str, prompts_BxT: np.ndarray, new_tokens: int) -> Callable[[], None]:
+def _hf_generate_fn(model_dir: str, dtype: str, prompts_BxT: np.ndarray, new_tokens: int,
+                    threads: int | None = None) -> Callable[[], None]:
     import torch
     import transformers
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads or os.cpu_count() or 1)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, DTYPES[dtype])).eval()
     ids = torch.as_tensor(prompts_BxT, dtype=torch.long)
     mask = torch.ones_like(ids)
@@ -73,11 +74,13 @@ def _sage_generate_fn(cfg, params, prompts_BxT: np.ndarray, new_tokens: int) -> 
 
 
 def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 64, prompt_len: int = 32,
-                  new_tokens: int = 128, repeats: int = 3, latency: bool = True, seed: int = 0) -> list[dict]:
+                  new_tokens: int = 128, repeats: int = 3, latency: bool = True, seed: int = 0,
+                  hf_threads: int | None = None) -> list[dict]:
     """Rows of {preset, batch, impl, tokens_per_s, seconds}; also prints a table with the ratios last."""
     from sage_jax import model, sampler
 
     rows = []
+    load_before = os.getloadavg()[0]
     for name in presets:
         cfg = model.preset(name, param_dtype=DTYPES[dtype], compute_dtype=DTYPES[dtype], eos_token_ids=())
         params = jax.jit(model.init_params, static_argnums=0)(cfg, jax.random.key(seed))
@@ -87,7 +90,7 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
             for b in ([batch, 1] if latency and batch != 1 else [batch]):
                 prompts = rng.integers(1, cfg.vocab_size, (b, prompt_len))
                 fns = {"sage_jax": _sage_generate_fn(cfg, params, prompts, new_tokens),
-                       "transformers": _hf_generate_fn(tmp, dtype, prompts, new_tokens)}
+                       "transformers": _hf_generate_fn(tmp, dtype, prompts, new_tokens, hf_threads)}
                 compiled_before = sampler.compile_count()
                 seconds = _median_seconds(fns, repeats)
                 for impl, s in seconds.items():
@@ -96,7 +99,8 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
                                      ms_per_step=1e3 * s / new_tokens))
                 rows[-2]["programs_compiled"] = sampler.compile_count() - compiled_before
     _print_sampler_table(rows)
-    print(f"sampler programs compiled in this run: {sampler.compile_count()}")
+    print(f"sampler programs compiled in this run: {sampler.compile_count()}; 1-min load average "
+          f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)")
     return rows
 
 
@@ -116,7 +120,8 @@ def _print_sampler_table(rows: list[dict]) -> None:
 @register("sampler")
 def _sampler_mode(args: argparse.Namespace) -> list[dict]:
     presets = ("tiny", "small") if args.preset == "both" else (args.preset,)
-    return bench_sampler(presets, args.dtype, args.batch, args.prompt_len, args.new_tokens, args.repeats)
+    return bench_sampler(presets, args.dtype, args.batch, args.prompt_len, args.new_tokens, args.repeats,
+                         hf_threads=args.hf_threads)
 
 
 # --------------------------------------------------------------------------------------------------- entry point
@@ -130,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hf-threads", type=int, default=None, help="torch threads (default: all cores)")
     args = parser.parse_args(argv)
     for mode in (MODES if args.mode == "all" else [args.mode]):
         print(f"== {mode}")

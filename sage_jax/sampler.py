@@ -8,6 +8,7 @@ its G rows, which come out consecutively (prompt 0's G samples first).
 Behaviour log-probs: `logprobs[b, j]` is log softmax(logits / T) of the sampled token *before* top-k / top-p / min-p
 truncation (log softmax(logits) when greedy, T = 0), the quantity the trainer recomputes for the policy at
 temperature T; 0 on padding. Row b's key at step j is fold_in(fold_in(key, j), b), so no two rows or steps share one.
+Each row draws one uniform (inverse CDF) and top-p is found by bisection, so no step sorts or noises the vocabulary.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
-from typing import Any, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ class SampleOutput(NamedTuple):
     logprobs: jax.Array  # float32 [B, N], behaviour log-probs (see module docstring), 0 on padding
     prompt_tokens: jax.Array  # int32 [B, P], left-padded prompts (P = the prompt bucket), repeated per sample
     prompt_mask: jax.Array  # bool [B, P], True on real prompt tokens
+    steps: jax.Array  # int32 [], decode steps run (fewer than N when every row stopped early)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,8 +215,9 @@ def _generate_program(cfg: ModelConfig, plan: _Plan, params: Params, prompt_BxP:
         last_N, state = record(i, tok_N, logp_N, state)
         return i + 1, last_N, _constrain_cache(cache), state
 
-    _, _, _, (tokens, logp, lengths, finished, _) = jax.lax.while_loop(cond, body, (jnp.int32(1), last_N, cache, state))
-    return tokens, logp, lengths, finished, jnp.repeat(prompt_BxP, G, axis=0), mask_NxP
+    steps, _, _, (tokens, logp, lengths, finished, _) = jax.lax.while_loop(
+        cond, body, (jnp.int32(1), last_N, cache, state))
+    return tokens, logp, lengths, finished, jnp.repeat(prompt_BxP, G, axis=0), mask_NxP, steps
 
 
 # --------------------------------------------------------------------------------------------------- public API
@@ -301,9 +303,9 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     _PROGRAMS.add((cfg, plan, rows, P, len(eos_E), jax.tree.structure(params),
                    tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree.leaves(params))))
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        tokens, logp, lengths, finished, prompt_tokens, prompt_mask = _generate_program(
+        tokens, logp, lengths, finished, prompt_tokens, prompt_mask, steps = _generate_program(
             cfg, plan, params, tokens_BxP, mask_BxP, *outputs, *scalars, eos_E, key)
     n = B * G
     return SampleOutput(tokens=tokens[:n, :max_new_tokens], lengths=lengths[:n], finished=finished[:n],
                         logprobs=logp[:n, :max_new_tokens], prompt_tokens=prompt_tokens[:n],
-                        prompt_mask=prompt_mask[:n])
+                        prompt_mask=prompt_mask[:n], steps=steps)

@@ -156,6 +156,15 @@ def test_eos_stops_rows_and_pads(params):
         np.testing.assert_array_equal(out["tokens"][b, :n], free["tokens"][b, :n])
         assert (out["tokens"][b, n:] == 63).all() and (out["logprobs"][b, n:] == 0).all()
     assert out["lengths"][0] <= 4 and out["lengths"][2] <= 6
+    assert out["steps"] == (out["lengths"].max() if out["finished"].all() else 10)
+
+
+def test_loop_exits_when_every_row_stopped(params):
+    free = _np(sampler.generate(CFG, params, PROMPTS, max_new_tokens=10, temperature=0.0, eos_ids=()))
+    out = _np(sampler.generate(CFG, params, PROMPTS, max_new_tokens=10, temperature=0.0,
+                               eos_ids=tuple(set(free["tokens"][:, 1].tolist()))))
+    assert out["finished"].all() and (out["lengths"] <= 2).all()
+    assert out["steps"] == out["lengths"].max()
 
 
 def test_groups(params):
@@ -174,13 +183,14 @@ def test_sharded_greedy_equals_single_device(params):
         pytest.skip("needs 8 (simulated) devices")
     prompts = PROMPTS[:3]  # 3 prompts x 2 samples: padded to 4 x 2 rows, a multiple of data x fsdp = 4
     ref = _np(sampler.generate(CFG, params, PROMPTS, max_new_tokens=8, temperature=0.0))
-    ref = {k: v[:3] for k, v in ref.items()}
     mesh = sharding.make_mesh((2, 2, 2))
     sharded = sharding.shard_params(params, mesh, cfg=CFG)
-    out = sampler.generate(CFG, sharded, prompts, max_new_tokens=8, temperature=0.0, num_samples=2)
-    got = _np(out)
-    np.testing.assert_array_equal(got["tokens"], np.repeat(ref["tokens"], 2, axis=0))
-    np.testing.assert_allclose(got["logprobs"], np.repeat(ref["logprobs"], 2, axis=0), atol=1e-4)
+    for out in (sampler.generate(CFG, sharded, prompts, max_new_tokens=8, temperature=0.0, num_samples=2),
+                sampler.generate(CFG, params, prompts, max_new_tokens=8, temperature=0.0, num_samples=2, mesh=mesh)):
+        assert out.tokens.sharding.mesh.size == 8
+        got = _np(out)
+        np.testing.assert_array_equal(got["tokens"], np.repeat(ref["tokens"][:3], 2, axis=0))
+        np.testing.assert_allclose(got["logprobs"], np.repeat(ref["logprobs"][:3], 2, axis=0), atol=1e-4)
 
 
 def test_one_compile_per_bucket(params):
@@ -196,3 +206,14 @@ def test_bench_sampler_smoke():
     rows = bench.bench_sampler(presets=("tiny",), dtype="fp32", batch=4, prompt_len=8, new_tokens=8, repeats=1,
                                latency=False)
     assert rows and all(r["tokens_per_s"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("prompts, kw, match", [
+    ([[]], {}, "at least one token"),
+    ([[1, 64]], {}, "token ids must lie"),
+    ([[1]], {"top_p": 0.0}, "bad sampling settings"),
+    ([[1]], {"max_new_tokens": 40000}, "max_position_embeddings"),
+])
+def test_bad_arguments_name_the_fix(params, prompts, kw, match):
+    with pytest.raises(ValueError, match=match):
+        sampler.generate(CFG, params, prompts, **{"max_new_tokens": 4, **kw})

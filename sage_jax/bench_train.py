@@ -1,0 +1,567 @@
+"""Training-side benchmarks: the jitted train step, one whole RL step against TRL, the loss's memory, scaling.
+
+  python -m sage_jax.bench_train train_step --preset small --dtype fp32 --batch 64
+  python -m sage_jax.bench_train train_step --preset small --batch 16 --ablate   # remat / scan / chunk / bf16 / rows
+  python -m sage_jax.bench_train flags --preset small --batch 16                  # XLA_FLAGS sets, a process each
+  python -m sage_jax.bench_train matmul                                           # the peak: jitted square matmuls
+  python -m sage_jax.bench_train rl_step --preset small                           # vs trl.GRPOTrainer, same weights
+  python -m sage_jax.bench_train memory                                           # chunked vs naive log-probs
+  python -m sage_jax.bench_train scaling --plot docs/perf_scaling.png
+
+`--batch` counts rows (prompts x samples). Each number is the median of `--repeats` runs after a warm-up run; the
+runs of everything compared are interleaved, so load from other processes hits all alike. FLOP/s are given as a
+fraction of a jitted square matmul's FLOP/s timed in the same loop: this machine's achievable peak, under the same load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from sage_jax import guides, model, objectives, rollouts, sampler, trainer
+
+MODES: dict[str, Callable[[argparse.Namespace], list[dict]]] = {}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+# the default SAGE arm: k3 against the branch-guided anchor, beta 0.05, GRPO aggregation (configs/base.py values)
+SAGE_LOSS = objectives.LossConfig(kl_estimator="k3", beta=0.05, aggregation="seq-mean-token-mean",
+                                  guide=guides.GuideConfig(name="branch"))
+OPTIM = ml_collections.ConfigDict(dict(lr=5e-6, schedule="constant", warmup_steps=0, weight_decay=0.01,
+                                       grad_clip=1.0, b1=0.9, b2=0.999, eps=1e-8))
+ABLATIONS = {  # variant -> ModelConfig overrides; "rows" scales the batch instead
+    "default": {}, "remat": {"remat": True}, "no_scan": {"scan_layers": False}, "chunk_128": {"logits_chunk": 128},
+    "chunk_2048": {"logits_chunk": 2048}, "bf16_compute": {"compute_dtype": "bfloat16"}, "rows_x0.25": {"rows": 0.25},
+    "rows_x0.5": {"rows": 0.5},
+}
+FLAG_SETS = {"default": "", "onednn": "--xla_cpu_use_onednn=true", "xnnpack": "--xla_cpu_use_xnnpack=true",
+             "eigen_1_thread": "--xla_cpu_multi_thread_eigen=false"}
+
+
+def register(name: str):
+    def wrap(fn):
+        MODES[name] = fn
+        return fn
+    return wrap
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+
+def interleaved_seconds(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each fn per round: one warm-up call each, then `repeats` rounds calling each once."""
+    for fn in fns.values():
+        jax.block_until_ready(fn())
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+def matmul_peak_fn(dtype: str, size: int = 2048, calls: int = 4) -> tuple[Callable[[], jax.Array], float]:
+    """(fn, flops): `calls` jitted [size, size] @ [size, size] (bf16 inputs accumulate in fp32 for "bf16"); several
+    calls so each timing spans long enough to see the same load as the step it is compared with."""
+    a = jax.random.normal(jax.random.key(1), (size, size), jnp.float32).astype(DTYPES[dtype])
+    mm = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
+    return (lambda: [mm(a) for _ in range(calls)]), 2.0 * size ** 3 * calls
+
+
+def bench_matmul(dtypes=("fp32", "bf16"), sizes=(1024, 2048), repeats: int = 3) -> list[dict]:
+    """GFLOP/s of jitted square matmuls: the peak the train step is measured against."""
+    fns = {(d, n): matmul_peak_fn(d, n) for d in dtypes for n in sizes}
+    times = interleaved_seconds({k: f for k, (f, _) in fns.items()}, repeats)
+    out = [dict(dtype=d, size=n, seconds=statistics.median(times[(d, n)]),
+                gflops_per_s=fns[(d, n)][1] / statistics.median(times[(d, n)]) / 1e9) for d, n in fns]
+    print_table(out, [("dtype", ""), ("size", "d"), ("seconds", ".3f"), ("gflops_per_s", ".1f")])
+    return out
+
+
+@register("matmul")
+def _matmul_mode(args: argparse.Namespace) -> list[dict]:
+    sizes = tuple(int(n) for n in str(getattr(args, "sizes", "1024,2048")).split(","))
+    return bench_matmul(("fp32", "bf16"), sizes, args.repeats)
+
+
+def train_flops(cfg: model.ModelConfig, rows: int, prompt_len: int, completion_len: int) -> float:
+    """Model FLOPs of one forward + backward (3x forward): 2 * matmul params per token over all T tokens, attention
+    scores and mixing over all T keys (XLA computes the masked half too), and the unembedding on completion
+    positions only (the loss needs nothing else). Embedding lookups and norms are not matmuls and are left out."""
+    T = prompt_len + completion_len
+    D, V = cfg.hidden_size, cfg.vocab_size
+    layer_params = cfg.num_params - V * D * (1 if cfg.tie_embeddings else 2) - D
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * T
+    return 3.0 * rows * (T * (2 * layer_params + attention) + completion_len * 2 * D * V)
+
+
+def random_loss_batch(cfg: model.ModelConfig, rows: int, prompt_len: int, completion_len: int, seed: int = 0,
+                      rl_step: int = 0) -> dict[str, np.ndarray]:
+    """A loss batch (objectives.loss_fn layout) of random full-length rows."""
+    rng = np.random.default_rng(seed)
+    T = prompt_len + completion_len
+    near_uniform = lambda: (-np.log(cfg.vocab_size) + 0.1 * rng.standard_normal((rows, completion_len))).astype(
+        np.float32)
+    return {"tokens": rng.integers(1, cfg.vocab_size, (rows, T)).astype(np.int32),
+            "mask": np.ones((rows, T), np.int32), "completion_mask": np.ones((rows, completion_len), np.float32),
+            "advantages": rng.standard_normal(rows).astype(np.float32), "ref_logp": near_uniform(),
+            "sampler_logp": near_uniform(), "truncated": np.ones(rows, np.bool_), "rl_step": np.int32(rl_step)}
+
+
+def preset_config(preset: str, dtype: str, **overrides) -> model.ModelConfig:
+    """Params in fp32 for training (bf16 only as the compute dtype, as configs/base.py does)."""
+    return model.preset(preset, param_dtype="float32", compute_dtype=DTYPES[dtype], eos_token_ids=(), **overrides)
+
+
+def lowered_train_step(cfg: model.ModelConfig, loss_cfg: objectives.LossConfig, rows: int, prompt_len: int,
+                       completion_len: int, seed: int = 0):
+    """(tx, trainer.make_train_step lowered for these shapes); nothing is allocated."""
+    tx, schedule = trainer.make_optimizer(OPTIM, 1000)
+    abstract = jax.eval_shape(lambda: trainer.init_state(model.init_params(cfg, jax.random.key(seed)), tx))
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype),
+                         random_loss_batch(cfg, rows, prompt_len, completion_len))
+    return tx, trainer.make_train_step(cfg, loss_cfg, tx, schedule, seed).lower(abstract, batch)
+
+
+@functools.lru_cache(maxsize=32)
+def compiled_train_step(cfg: model.ModelConfig, loss_cfg: objectives.LossConfig, rows: int, prompt_len: int,
+                        completion_len: int, seed: int = 0):
+    """(tx, compiled train step); cached so modes (and tests) with the same shapes share one compilation."""
+    tx, lowered = lowered_train_step(cfg, loss_cfg, rows, prompt_len, completion_len, seed)
+    return tx, lowered.compile()
+
+
+def _train_runner(cfg: model.ModelConfig, rows: int, prompt_len: int, completion_len: int, seed: int = 0,
+                  params=None, loss_cfg: objectives.LossConfig = SAGE_LOSS):
+    """(run, compiled): run(batch=None) does one donated train step (on a fixed random batch by default) and
+    returns its metrics."""
+    tx, compiled = compiled_train_step(cfg, loss_cfg, rows, prompt_len, completion_len, seed)
+    if params is None:
+        params = jax.jit(model.init_params, static_argnums=0)(cfg, jax.random.key(seed))
+    box = {"state": trainer.init_state(params, tx)}
+    fixed = jax.device_put(random_loss_batch(cfg, rows, prompt_len, completion_len, seed))
+
+    def run(batch=None):
+        box["state"], metrics = compiled(box["state"], fixed if batch is None else batch)
+        return metrics
+    return run, compiled
+
+
+def _xla_flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float((cost or {}).get("flops", float("nan")))
+
+
+def _presets(preset: str) -> tuple[str, ...]:
+    return ("tiny", "small") if preset == "both" else (preset,)
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
+    """columns: (key, format spec); a missing key prints as '-'."""
+    cell = lambda r, k, f: format(r[k], f) if r.get(k) is not None else "-"
+    widths = {k: max(len(k), *(len(cell(r, k, f)) for r in rows)) for k, f in columns}
+    print("  ".join(k.rjust(widths[k]) for k, _ in columns))
+    for r in rows:
+        print("  ".join(cell(r, k, f).rjust(widths[k]) for k, f in columns))
+
+
+# --------------------------------------------------------------------------------------------------- train step
+
+def bench_train_step(preset: str = "tiny", dtype: str = "fp32", rows: int = 64, prompt_len: int = 32,
+                     completion_len: int = 128, repeats: int = 3, variants: dict[str, dict] | None = None,
+                     peak_size: int = 2048, seed: int = 0) -> list[dict]:
+    """Tokens/s and FLOP/s of trainer.make_train_step (SAGE loss, AdamW) per variant, against the matmul peak."""
+    variants = variants or {"default": {}}
+    peak_fn, peak_flops = matmul_peak_fn(dtype, peak_size)
+    fns, info = {"matmul_peak": peak_fn}, {}
+    for name, overrides in variants.items():
+        overrides = dict(overrides)
+        n = max(1, int(rows * overrides.pop("rows", 1)))
+        cfg = preset_config(preset, dtype, **overrides)
+        start = time.perf_counter()
+        fns[name], compiled = _train_runner(cfg, n, prompt_len, completion_len, seed)
+        info[name] = dict(rows=n, flops=train_flops(cfg, n, prompt_len, completion_len),
+                          compile_s=time.perf_counter() - start, xla_gflops=_xla_flops(compiled) / 1e9)
+    times = interleaved_seconds(fns, repeats)
+    peak = peak_flops / statistics.median(times["matmul_peak"])
+    out = []
+    for name, v in info.items():
+        s = statistics.median(times[name])
+        out.append(dict(preset=preset, dtype=dtype, variant=name, rows=v["rows"], seq=prompt_len + completion_len,
+                        seconds=s, tokens_per_s=v["rows"] * (prompt_len + completion_len) / s,
+                        model_gflops=v["flops"] / 1e9, gflops_per_s=v["flops"] / s / 1e9, peak_gflops_per_s=peak / 1e9,
+                        frac_of_peak=v["flops"] / s / peak, compile_s=v["compile_s"], xla_gflops=v["xla_gflops"]))
+    print_table(out, [("preset", ""), ("dtype", ""), ("variant", ""), ("rows", "d"), ("seq", "d"), ("seconds", ".3f"),
+                      ("tokens_per_s", ".0f"), ("gflops_per_s", ".1f"), ("peak_gflops_per_s", ".1f"),
+                      ("frac_of_peak", ".2f"), ("compile_s", ".1f")])
+    return out
+
+
+@register("train_step")
+def _train_step_mode(args: argparse.Namespace) -> list[dict]:
+    variants = ABLATIONS if getattr(args, "ablate", False) else None
+    return [r for p in _presets(args.preset) for r in bench_train_step(
+        p, args.dtype, args.batch, args.prompt_len, args.new_tokens, args.repeats, variants)]
+
+
+def bench_flags(flag_sets: dict[str, str] | None = None, mode: str = "train_step", mode_args: tuple[str, ...] = (),
+                metric: str = "tokens_per_s", rounds: int = 2) -> list[dict]:
+    """`python -m sage_jax.bench_train <mode> <mode_args>` under each XLA_FLAGS set, each run a fresh process (XLA
+    reads its flags once); rounds interleave the sets. A row per (set, row of the mode): numbers are medians over
+    rounds, `speedup` is `metric` over the first set's."""
+    flag_sets = flag_sets or FLAG_SETS
+    root = str(Path(__file__).resolve().parents[1])
+    cmd = [sys.executable, "-m", "sage_jax.bench_train", mode, "--json", *mode_args]
+    runs: dict[str, list[list[dict]]] = {name: [] for name in flag_sets}
+    for _ in range(rounds):
+        for name, flags in flag_sets.items():
+            env = dict(os.environ, XLA_FLAGS=" ".join(f for f in (os.environ.get("XLA_FLAGS", ""), flags) if f),
+                       PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
+            proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
+            if proc.returncode:
+                raise RuntimeError(f"{' '.join(cmd[1:])} under XLA_FLAGS={flags!r} failed:\n{proc.stderr[-3000:]}")
+            runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    out = []
+    for name, per_round in runs.items():
+        for i, template in enumerate(per_round[0]):
+            row = {k: (statistics.median(r[i][k] for r in per_round) if isinstance(v, float) else v)
+                   for k, v in template.items()}
+            out.append(dict(flags=name, xla_flags=flag_sets[name], **row))
+    first = out[:len(runs[next(iter(runs))][0])]
+    for j, r in enumerate(out):
+        r["speedup"] = r[metric] / first[j % len(first)][metric]
+    print_table(out, [("flags", ""), *[(k, ".1f" if isinstance(v, float) else "") for k, v in out[0].items()
+                                       if k not in ("flags", "xla_flags", "speedup")], ("speedup", ".2f")])
+    return out
+
+
+@register("flags")
+def _flags_mode(args: argparse.Namespace) -> list[dict]:
+    """Flag sets on the train step (the preset, dtype and shapes given) and on the matmul peak."""
+    step_args = ("--preset", args.preset, "--dtype", args.dtype, "--batch", str(args.batch), "--prompt-len",
+                 str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats))
+    return (bench_flags(None, "matmul", ("--repeats", str(args.repeats)), "gflops_per_s")
+            + bench_flags(None, "train_step", step_args, "tokens_per_s"))
+
+
+# --------------------------------------------------------------------------------------------------- RL step
+
+def ids_reward(ids) -> float:
+    """Trivial in-process reward: the share of even token ids (varies across a group, so advantages are non-zero)."""
+    ids = np.asarray(ids)
+    return float((ids % 2 == 0).mean()) if ids.size else 0.0
+
+
+def trl_ids_reward(completions, completion_ids, **_) -> list[float]:
+    return [ids_reward(ids) for ids in completion_ids]
+
+
+def _sage_rl_runner(cfg: model.ModelConfig, params, prompts_BxP: np.ndarray, group: int, new_tokens: int,
+                    beta: float, seed: int = 0) -> Callable[[], dict[str, float]]:
+    """run() does one RL step as trainer.run_rl does (sample -> reward -> advantages -> reference log-probs ->
+    one update) with `new_tokens` forced (no EOS), and returns its seconds per phase."""
+    loss_cfg = dataclasses.replace(SAGE_LOSS, beta=beta)
+    B, P = prompts_BxP.shape
+    tx, train_step = compiled_train_step(cfg, loss_cfg, B * group, sampler.prompt_bucket(P), new_tokens, seed)
+    ref_params = jax.tree.map(jnp.copy, params)
+    box = {"state": trainer.init_state(jax.tree.map(jnp.copy, params), tx), "step": 0}
+    prompts = prompts_BxP.tolist()
+
+    def run() -> dict[str, float]:
+        i, t = box["step"], [time.perf_counter()]
+        box["step"] += 1
+        out = jax.device_get(sampler.generate(cfg, box["state"]["params"], prompts, new_tokens, temperature=1.0,
+                                              eos_ids=(), seed=seed + i, num_samples=group))
+        t.append(time.perf_counter())
+        rewards_N = np.array([ids_reward(row[:n]) for row, n in zip(out.tokens, out.lengths)], np.float32)
+        t.append(time.perf_counter())
+        adv_N = objectives.group_advantages(rewards_N, group, scale=loss_cfg.adv_scale)
+        ro = dict(prompt_tokens=out.prompt_tokens, prompt_mask=out.prompt_mask, tokens=out.tokens,
+                  lengths=out.lengths, finished=out.finished, sampler_logp=out.logprobs)
+        batch = rollouts.build_batch(ro, np.asarray(adv_N), cfg.pad_token_id, new_tokens)
+        batch["ref_logp"], _ = trainer.sequence_logprobs(cfg, ref_params, batch["tokens"], batch["mask"],
+                                                         prompt_len=out.prompt_tokens.shape[1],  # the prompt bucket
+                                                         temperature=loss_cfg.temperature)
+        jax.block_until_ready(batch["ref_logp"])
+        t.append(time.perf_counter())
+        box["state"], metrics = train_step(box["state"], dict(batch, rl_step=np.int32(i)))
+        jax.block_until_ready(metrics)
+        t.append(time.perf_counter())
+        return dict(seconds=t[4] - t[0], generate_s=t[1] - t[0], reward_s=t[2] - t[1], ref_s=t[3] - t[2],
+                    update_s=t[4] - t[3])
+    return run
+
+
+def word_level_tokenizer(vocab_size: int):
+    """A PreTrainedTokenizerFast with the model's ids: "<pad>" 0, "<eos>" 1, "t<i>" i; a prompt of n space-separated
+    words is exactly n tokens (no special tokens added)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    fast.padding_side = "left"
+    return fast
+
+
+def _trl_interleaved(model_dir: str, vocab_size: int, prompts_BxP: np.ndarray, group: int, new_tokens: int,
+                     beta: float, steps: int, between: Callable[[], None], seed: int = 0) -> list[dict[str, float]]:
+    """`steps` trl.GRPOTrainer steps on model_dir (8 prompts x G per step when B = 8); between() runs after each.
+
+    Per step: seconds from on_step_begin to on_step_end (the whole step: generate, reward, reference log-probs,
+    update) and the time inside `_generate` and `_generate_and_score_completions` (what remains is the update)."""
+    import datasets
+    import torch
+    import transformers
+    import trl
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    B = prompts_BxP.shape[0]
+    texts = [" ".join(f"t{i}" for i in row) for row in prompts_BxP]
+    with tempfile.TemporaryDirectory() as out_dir:
+        args = trl.GRPOConfig(
+            output_dir=out_dir, per_device_train_batch_size=B * group, num_generations=group,
+            max_completion_length=new_tokens, generation_kwargs={"min_new_tokens": new_tokens}, beta=beta,
+            num_iterations=1, loss_type="grpo", use_vllm=False, report_to="none", bf16=False, use_cpu=True,
+            max_steps=steps, learning_rate=OPTIM.lr, weight_decay=OPTIM.weight_decay, max_grad_norm=OPTIM.grad_clip,
+            logging_steps=1, save_strategy="no", shuffle_dataset=False, disable_tqdm=True, seed=seed)
+        rows: list[dict[str, float]] = []
+        parts = {"generate_s": 0.0, "score_s": 0.0}
+
+        class Interleave(transformers.TrainerCallback):
+            def on_step_begin(self, *_, **__):
+                parts.update(generate_s=0.0, score_s=0.0)
+                self.start = time.perf_counter()
+
+            def on_step_end(self, *_, **__):
+                s = time.perf_counter() - self.start
+                rows.append(dict(seconds=s, generate_s=parts["generate_s"],
+                                 reward_ref_s=parts["score_s"] - parts["generate_s"], update_s=s - parts["score_s"]))
+                between()
+
+        gen = trl.GRPOTrainer(model=model_dir, reward_funcs=trl_ids_reward, args=args,
+                              train_dataset=datasets.Dataset.from_dict({"prompt": texts * steps}),
+                              processing_class=word_level_tokenizer(vocab_size), callbacks=[Interleave()])
+
+        def timed(key: str, fn: Callable) -> Callable:
+            def wrapper(*a, **kw):
+                start = time.perf_counter()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    parts[key] += time.perf_counter() - start
+            return wrapper
+        gen._generate = timed("generate_s", gen._generate)
+        gen._generate_and_score_completions = timed("score_s", gen._generate_and_score_completions)
+        gen.train()
+    return rows
+
+
+def bench_rl_step(preset: str = "tiny", dtype: str = "fp32", prompts: int = 8, group: int = 8, prompt_len: int = 32,
+                  new_tokens: int = 128, beta: float = 0.05, repeats: int = 3, trl: bool = True,
+                  seed: int = 0) -> list[dict]:
+    """Completion tokens/s of one RL step, sage_jax vs TRL's GRPOTrainer (torch, CPU, fp32) on the same weights and
+    shapes; steps interleaved (ours runs after each TRL step), the first of each excluded as warm-up."""
+    cfg = preset_config(preset, dtype)
+    params = jax.jit(model.init_params, static_argnums=0)(cfg, jax.random.key(seed))
+    prompts_BxP = np.random.default_rng(seed).integers(2, cfg.vocab_size, (prompts, prompt_len))
+    ours = _sage_rl_runner(cfg, params, prompts_BxP, group, new_tokens, beta, seed)
+    sage_rows: list[dict[str, float]] = []
+    if trl:
+        with tempfile.TemporaryDirectory() as model_dir:
+            model.save_hf(model_dir, preset_config(preset, "fp32"), params)
+            trl_rows = _trl_interleaved(model_dir, cfg.vocab_size, prompts_BxP, group, new_tokens, beta,
+                                        repeats + 1, lambda: sage_rows.append(ours()), seed)
+    else:
+        trl_rows, sage_rows = [], [ours() for _ in range(repeats + 1)]
+    tokens = prompts * group * new_tokens
+    out = []
+    for impl, runs in (("sage_jax", sage_rows), ("trl", trl_rows)):
+        if not runs:
+            continue
+        runs = runs[1:] or runs  # drop the warm-up step (compilation, first-call set-up)
+        row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        out.append(dict(preset=preset, dtype=dtype if impl == "sage_jax" else "fp32", impl=impl, prompts=prompts,
+                        group=group, new_tokens=new_tokens, tokens_per_s=tokens / row["seconds"], **row))
+    if len(out) == 2:
+        out[0]["vs_trl"] = out[0]["tokens_per_s"] / out[1]["tokens_per_s"]
+    print_table(out, [("preset", ""), ("dtype", ""), ("impl", ""), ("prompts", "d"), ("group", "d"),
+                      ("new_tokens", "d"), ("seconds", ".2f"), ("tokens_per_s", ".1f"), ("vs_trl", ".2f"),
+                      ("generate_s", ".2f"), ("reward_s", ".3f"), ("ref_s", ".2f"), ("reward_ref_s", ".2f"),
+                      ("update_s", ".2f")])
+    return out
+
+
+@register("rl_step")
+def _rl_step_mode(args: argparse.Namespace) -> list[dict]:
+    group = getattr(args, "group", 8)
+    if args.batch % group:
+        raise ValueError(f"--batch {args.batch} rows must be a multiple of --group {group} (rows = prompts x group)")
+    return [r for p in _presets(args.preset) for r in bench_rl_step(
+        p, args.dtype, args.batch // group, group, args.prompt_len, args.new_tokens, repeats=args.repeats,
+        trl=not getattr(args, "no_trl", False))]
+
+
+# --------------------------------------------------------------------------------------------------- memory
+
+def _logprob_losses(cfg: model.ModelConfig, chunk: int) -> dict[str, Callable]:
+    """Scalar losses of (hidden [B,T,D], unembed [D,V], targets [B,T]) using both log-probs and entropies."""
+    def chunked(h_BxTxD, w_DxV, t_BxT):
+        logp, ent = model.logprobs_entropy_from_hidden(cfg, {"lm_head": w_DxV}, h_BxTxD, t_BxT, chunk=chunk)
+        return -(logp.mean() + 0.01 * ent.mean())
+
+    def naive(h_BxTxD, w_DxV, t_BxT):
+        logits_BxTxV = jnp.einsum("btd,dv->btv", h_BxTxD, w_DxV, preferred_element_type=jnp.float32)
+        logp_all = jax.nn.log_softmax(logits_BxTxV, axis=-1)
+        logp = jnp.take_along_axis(logp_all, t_BxT[..., None], axis=-1)[..., 0]
+        ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+        return -(logp.mean() + 0.01 * ent.mean())
+    return {"naive": naive, f"chunked_{chunk}": chunked}
+
+
+def bench_memory(vocab: int = 152064, seq: int = 4096, hidden_sizes=(896, 3584), batches=(1, 4), chunks=(128, 512),
+                 dtype: str = "fp32") -> list[dict]:
+    """Peak temporary memory (XLA memory_analysis of the compiled program; nothing is run) of value_and_grad, w.r.t.
+    hidden and unembedding, of a loss on log-probs + entropies: the full [B,T,V] fp32 logits vs chunks of positions."""
+    GiB = 2.0 ** 30
+    out = []
+    for D in hidden_sizes:
+        cfg = model.ModelConfig(vocab_size=vocab, hidden_size=D, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=2,
+                                intermediate_size=1, tie_embeddings=False, compute_dtype=DTYPES[dtype])
+        for B in batches:
+            args = (jax.ShapeDtypeStruct((B, seq, D), DTYPES[dtype]), jax.ShapeDtypeStruct((D, vocab), DTYPES[dtype]),
+                    jax.ShapeDtypeStruct((B, seq), jnp.int32))
+            losses: dict[str, Callable] = {}
+            for c in chunks:
+                losses |= _logprob_losses(cfg, c)
+            naive = None
+            for impl, loss in losses.items():
+                mem = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile().memory_analysis()
+                row = dict(hidden=D, batch=B, seq=seq, vocab=vocab, dtype=dtype, impl=impl,
+                           temp_gib=mem.temp_size_in_bytes / GiB, args_gib=mem.argument_size_in_bytes / GiB,
+                           output_gib=mem.output_size_in_bytes / GiB, logits_gib=B * seq * vocab * 4 / GiB)
+                naive = row if impl == "naive" else naive
+                row["naive_over_this"] = naive["temp_gib"] / row["temp_gib"]
+                out.append(row)
+    print_table(out, [("hidden", "d"), ("batch", "d"), ("seq", "d"), ("vocab", "d"), ("impl", ""),
+                      ("temp_gib", ".2f"), ("args_gib", ".2f"), ("output_gib", ".2f"), ("logits_gib", ".2f"),
+                      ("naive_over_this", ".1f")])
+    return out
+
+
+@register("memory")
+def _memory_mode(args: argparse.Namespace) -> list[dict]:
+    return bench_memory(dtype=args.dtype)
+
+
+# --------------------------------------------------------------------------------------------------- scaling
+
+def bench_scaling(preset: str = "tiny", dtype: str = "fp32", batches=(1, 4, 16, 64), lengths=(32, 64, 128, 256, 512),
+                  fixed_batch: int = 16, fixed_len: int = 128, prompt_len: int = 32, repeats: int = 3,
+                  plot: str | None = None, seed: int = 0) -> list[dict]:
+    """Tokens/s of sampler.generate (generated tokens, temperature 1, forced length) and of the train step (all
+    prompt + completion tokens) vs batch at `fixed_len` new tokens, and vs new tokens at `fixed_batch` rows."""
+    cfg = preset_config(preset, dtype)
+    params = jax.jit(model.init_params, static_argnums=0)(cfg, jax.random.key(seed))
+    rng = np.random.default_rng(seed)
+    points = sorted({(b, fixed_len) for b in batches} | {(fixed_batch, n) for n in lengths})
+    fns, tokens = {}, {}
+    for b, n in points:
+        prompts = rng.integers(1, cfg.vocab_size, (b, prompt_len)).tolist()
+        fns[("sampler", b, n)] = lambda p=prompts, n=n: sampler.generate(cfg, params, p, n, temperature=1.0,
+                                                                         eos_ids=(), seed=seed).tokens
+        fns[("train_step", b, n)] = _train_runner(cfg, b, prompt_len, n, seed)[0]
+        tokens[("sampler", b, n)], tokens[("train_step", b, n)] = b * n, b * (prompt_len + n)
+    times = interleaved_seconds(fns, repeats)
+    out = []
+    for (kind, b, n), t in times.items():
+        s = statistics.median(t)
+        for sweep in (["batch"] if n == fixed_len else []) + (["length"] if b == fixed_batch else []):
+            out.append(dict(preset=preset, dtype=dtype, kind=kind, sweep=sweep, batch=b, prompt_len=prompt_len,
+                            new_tokens=n, seconds=s, tokens_per_s=tokens[(kind, b, n)] / s))
+    out.sort(key=lambda r: (r["sweep"], r["kind"], r["batch"], r["new_tokens"]))
+    print_table(out, [("kind", ""), ("sweep", ""), ("batch", "d"), ("new_tokens", "d"), ("seconds", ".3f"),
+                      ("tokens_per_s", ".0f")])
+    if plot:
+        plot_scaling(out, plot)
+    return out
+
+
+def plot_scaling(rows: list[dict], path: str) -> None:
+    """Two panels: tokens/s vs batch, tokens/s vs new tokens; one line per kind."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    labels = {"sampler": "sampler (generated tokens/s)", "train_step": "train step (prompt+completion tokens/s)"}
+    for ax, sweep, key, xlabel in ((axes[0], "batch", "batch", "batch (rows)"),
+                                   (axes[1], "length", "new_tokens", "new tokens (completion length)")):
+        for kind, label in labels.items():
+            pts = sorted((r[key], r["tokens_per_s"]) for r in rows if r["kind"] == kind and r["sweep"] == sweep)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=label)
+        fixed = next((r for r in rows if r["sweep"] == sweep), None)
+        detail = f"{fixed['new_tokens']} new tokens" if sweep == "batch" and fixed else \
+            f"batch {fixed['batch']}" if fixed else ""
+        ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="tokens / s", title=f"vs {sweep} ({detail})")
+        ax.set_xscale("log", base=2)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    first = rows[0] if rows else {}
+    fig.suptitle(f"{first.get('preset', '')} preset, {first.get('dtype', '')}, prompt {first.get('prompt_len', '')} "
+                 f"tokens, CPU ({os.cpu_count()} cores)")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@register("scaling")
+def _scaling_mode(args: argparse.Namespace) -> list[dict]:
+    return bench_scaling("tiny" if args.preset == "both" else args.preset, args.dtype, repeats=args.repeats,
+                         plot=getattr(args, "plot", None))
+
+
+# --------------------------------------------------------------------------------------------------- entry point
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(prog="python -m sage_jax.bench_train", description=__doc__.split("\n")[0])
+    parser.add_argument("mode", choices=list(MODES))
+    parser.add_argument("--preset", default="tiny", choices=["tiny", "small", "both"])
+    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    parser.add_argument("--batch", type=int, default=64, help="rows = prompts x group")
+    parser.add_argument("--group", type=int, default=8, help="rl_step: samples per prompt")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=128, help="completion length")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ablate", action="store_true", help="train_step: also time each of ABLATIONS")
+    parser.add_argument("--no-trl", action="store_true", help="rl_step: our side only")
+    parser.add_argument("--plot", default=None, help="scaling: write the two-panel PNG here")
+    parser.add_argument("--sizes", default="1024,2048", help="matmul: square sizes")
+    parser.add_argument("--json", action="store_true", help="print the rows as one JSON line at the end")
+    args = parser.parse_args(argv)
+    rows = MODES[args.mode](args)
+    if args.json:
+        print(json.dumps(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Smoke tests: every bench_train mode on the tiny preset with tiny shapes (seconds each)."""
+
+import importlib.util
+import math
+import os
+import time
+
+import numpy as np
+import pytest
+
+from sage_jax import bench_train, model
+
+# One set of shapes (2 rows, prompt bucket 16, 8 completion tokens) for every mode, so they share compilations.
+TINY = dict(prompt_len=16, completion_len=8, repeats=1)
+
+
+def _finite_positive(rows, key):
+    return all(math.isfinite(r[key]) and r[key] > 0 for r in rows)
+
+
+def test_train_step_rows_and_flops():
+    # "chunk_512" equals the tiny preset's default config: the variant machinery without a second compilation
+    rows = bench_train.bench_train_step("tiny", "fp32", rows=2, peak_size=256, **TINY,
+                                        variants={"default": {}, "chunk_512": {"logits_chunk": 512}})
+    assert [(r["variant"], r["rows"], r["seq"]) for r in rows] == [("default", 2, 24), ("chunk_512", 2, 24)]
+    for key in ("tokens_per_s", "gflops_per_s", "peak_gflops_per_s", "frac_of_peak"):
+        assert _finite_positive(rows, key), key
+    assert rows[0]["tokens_per_s"] == pytest.approx(2 * 24 / rows[0]["seconds"])
+
+
+def test_train_flops_close_to_xla_count_without_scan():
+    # Unrolled layers and one log-prob chunk: XLA's count covers every matmul once, plus element-wise work.
+    cfg = model.preset("small", num_layers=2, vocab_size=4096, scan_layers=False, logits_chunk=64)
+    _, lowered = bench_train.lowered_train_step(cfg, bench_train.SAGE_LOSS, 2, 16, 64)
+    cost = lowered.cost_analysis()
+    xla = (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+    assert 0.8 < bench_train.train_flops(cfg, 2, 16, 64) / xla < 1.05
+
+
+def test_random_loss_batch_layout():
+    cfg = model.preset("tiny")
+    b = bench_train.random_loss_batch(cfg, 3, 4, 5)
+    assert b["tokens"].shape == (3, 9) and b["completion_mask"].shape == (3, 5) and b["advantages"].shape == (3,)
+    assert b["tokens"].min() >= 1 and b["tokens"].max() < cfg.vocab_size
+
+
+def test_rl_step_ours():
+    rows = bench_train.bench_rl_step("tiny", prompts=1, group=2, prompt_len=16, new_tokens=8, repeats=1, trl=False)
+    (row,) = rows
+    assert row["impl"] == "sage_jax" and _finite_positive(rows, "tokens_per_s")
+    parts = row["generate_s"] + row["reward_s"] + row["ref_s"] + row["update_s"]
+    assert parts == pytest.approx(row["seconds"], rel=1e-6)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None or not os.environ.get("SAGE_BENCH_TRL"),
+                    reason="trl not installed, or SAGE_BENCH_TRL unset (importing torch + trl alone takes ~15 s)")
+def test_rl_step_against_trl():
+    start = time.perf_counter()
+    rows = bench_train.bench_rl_step("tiny", prompts=1, group=2, prompt_len=16, new_tokens=8, repeats=1)
+    assert [r["impl"] for r in rows] == ["sage_jax", "trl"]
+    assert _finite_positive(rows, "tokens_per_s") and rows[0]["vs_trl"] > 0
+    assert rows[1]["generate_s"] <= rows[1]["seconds"]
+    assert time.perf_counter() - start < 60
+
+
+def test_word_level_tokenizer_ids_match_model_ids():
+    tok = bench_train.word_level_tokenizer(64)
+    ids = np.array([5, 17, 63, 2])
+    assert tok(" ".join(f"t{i}" for i in ids))["input_ids"] == ids.tolist()
+    assert tok.pad_token_id == 0 and tok.eos_token_id == 1
+
+
+def test_memory_chunked_below_naive():
+    rows = bench_train.bench_memory(vocab=2048, seq=256, hidden_sizes=(32,), batches=(1, 2), chunks=(32,))
+    by = {(r["batch"], r["impl"]): r["temp_gib"] for r in rows}
+    for b in (1, 2):
+        assert by[(b, "chunked_32")] < by[(b, "naive")]
+    assert by[(2, "naive")] > by[(1, "naive")]
+
+
+def test_scaling_rows_and_plot(tmp_path):
+    path = tmp_path / "scaling.png"
+    rows = bench_train.bench_scaling(batches=(2,), lengths=(8,), fixed_batch=2, fixed_len=8, prompt_len=16,
+                                     repeats=1, plot=str(path))
+    assert {(r["kind"], r["sweep"]) for r in rows} == {(k, s) for k in ("sampler", "train_step")
+                                                       for s in ("batch", "length")}
+    assert len(rows) == 4 and _finite_positive(rows, "tokens_per_s")
+    assert path.stat().st_size > 1000
+
+
+def test_flags_runs_each_set_in_a_process():
+    rows = bench_train.bench_flags({"default": "", "fast_math": "--xla_cpu_enable_fast_math=true"}, "matmul",
+                                   ("--sizes", "64", "--repeats", "1"), "gflops_per_s", rounds=1)
+    assert [(r["flags"], r["dtype"]) for r in rows] == [("default", "fp32"), ("default", "bf16"),
+                                                        ("fast_math", "fp32"), ("fast_math", "bf16")]
+    assert rows[0]["speedup"] == 1.0 and _finite_positive(rows, "gflops_per_s")
+
+
+def test_main_json(capsys):
+    rows = bench_train.main(["train_step", "--batch", "2", "--prompt-len", "16", "--new-tokens", "8", "--repeats",
+                             "1", "--json"])
+    assert rows[0]["preset"] == "tiny" and capsys.readouterr().out.strip().splitlines()[-1].startswith("[{")
+
+
+def test_rl_step_mode_rejects_bad_group():
+    with pytest.raises(ValueError, match="multiple of --group"):
+        bench_train.main(["rl_step", "--batch", "6", "--group", "4", "--no-trl"])
