@@ -90,10 +90,9 @@ def test_unknown_arm_is_a_clear_error(tmp_path):
         reproduce.main(["--out", str(tmp_path), "--arms", "nope", "--tiny"])
 
 
-def test_tiny_experiment_renders_every_arm_and_resumes(tmp_path, request):
+def test_tiny_experiment_renders_every_arm_and_resumes(tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
-    cache = str(request.config.cache.mkdir("sage_jax_compile"))  # warm across test sessions
-    args = ["--out", str(out), "--work", str(work), "--tiny", "--sweep", "--compile-cache", cache]
+    args = ["--out", str(out), "--work", str(work), "--tiny", "--sweep"]  # conftest's compile cache keeps it fast
     reproduce.main(args)
     arms = list(reproduce.arms_module().ARMS)
     text = (out / "RESULTS.md").read_text()

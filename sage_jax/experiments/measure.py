@@ -61,7 +61,7 @@ def sample_problems(cfg, params, tokenizer, golds: Sequence[Mapping[str, Any]], 
 
 
 def training_curves(workdir: str) -> dict[str, list]:
-    """Per-step rl/entropy, rl/reward, rl/kl and step time from a run's metrics.jsonl (a resumed run's later lines win)."""
+    """Per-step rl/entropy, rl/reward, rl/kl, ... from a run's metrics.jsonl (a resumed run's later lines win)."""
     path = os.path.join(workdir, "metrics.jsonl")
     by_step: dict[int, dict[str, Any]] = {}
     if os.path.exists(path):
@@ -71,6 +71,6 @@ def training_curves(workdir: str) -> dict[str, list]:
                     record = json.loads(line)
                     by_step.setdefault(int(record["step"]), {}).update(record)
     steps = sorted(by_step)
-    names = {"entropy": "rl/entropy", "reward": "rl/reward", "accuracy": "rl/accuracy", "kl": "rl/kl", "kl_ref": "rl/kl_ref",
-             "q_mean": "sage/q_mean", "step_s": "time/step_s"}
+    names = {"entropy": "rl/entropy", "reward": "rl/reward", "accuracy": "rl/accuracy", "kl": "rl/kl",
+             "kl_ref": "rl/kl_ref", "q_mean": "sage/q_mean", "step_s": "time/step_s"}
     return {"step": steps, **{k: [by_step[s].get(v) for s in steps] for k, v in names.items()}}

@@ -66,9 +66,12 @@ def pass_at_k(agg: Mapping[str, Mapping[str, Any]], base: Mapping[str, Any], spl
         top.set_ylabel("pass@k")
         bottom.set_ylabel("pass@k − GRPO" if "grpo" in agg else "pass@k − base")
         bottom.set_xlabel("k")
+        ticks = [k for k in (2 ** i for i in range(12)) if k <= len(ks)]
         for ax in (top, bottom):
             ax.set_xscale("log", base=2)
+            ax.set_xticks(ticks, [str(k) for k in ticks])
             ax.grid(alpha=0.3)
+        top.set_ylim(0, 1)
         top.legend(fontsize=7, loc="lower right")
     fig.suptitle(title)
     fig.tight_layout()

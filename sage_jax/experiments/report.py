@@ -13,12 +13,12 @@ from sage_jax.experiments import plots
 from sage_jax.experiments.stats import aggregate, fmt, paired_difference, summarize_run
 from sage_jax.rewards import countdown
 
-SPLIT_NAMES = {"countdown": "held-out (3 numbers)", "countdown_ood": "OOD (4 numbers)"}
+SPLIT_NAMES = {"countdown": "held-out (ID)", "countdown_ood": "OOD (wider number range)"}
 PAIRS = (("grpo_branch", "grpo"), ("dapo_branch", "dapo"), ("bnpo_branch", "bnpo"), ("grpo_token", "grpo"),
          ("grpo_random", "grpo"), ("fkl", "grpo"), ("grpo_nokl", "grpo"))
-CI_NOTE = ("Cells are mean ± half-width of the 95% Student-t interval over seeds (t_{0.975, s-1} · sd / √s, sd with "
-           "ddof 1); a cell without ± comes from one seed (no interval). The base row is one evaluation of the shared "
-           "SFT model.")
+CI_NOTE = ("Cells are mean ± half-width of the 95% Student-t interval over seeds (t_{0.975, s-1} · sd / √s, sd "
+           "with ddof 1); a cell without ± comes from one seed (no interval). The base row is one evaluation of the "
+           "shared SFT model.")
 
 
 def _row(cells: Sequence[str]) -> str:
@@ -146,7 +146,8 @@ def _sweep_table(results: Mapping[str, Any], split: str, n: int) -> tuple[str, d
 
 
 def _times_table(meta: Mapping[str, Any]) -> str:
-    rows = [[arm, f"{t['train_wall_s']:.0f}", f"{t['train_cpu_s']:.0f}", f"{t['step_s']:.2f}", f"{t['eval_wall_s']:.0f}"]
+    rows = [[arm] + [f"{t[k]:.{d}f}" for k, d in (("train_wall_s", 0), ("train_cpu_s", 0), ("step_s", 2),
+                                                   ("eval_wall_s", 0))]
             for arm, t in meta.get("arm_times", {}).items()]
     return _table(["arm", "RL wall s (mean/seed)", "RL CPU s", "median s / RL step", "eval wall s"], rows)
 
@@ -171,7 +172,8 @@ def write(out_dir: str, results: Mapping[str, Any]) -> str:
     md = [f"# SAGE on countdown: {len(agg)} arms × {meta['seeds']} seed(s), budget `{meta['budget']}`\n",
           meta["description"] + "\n", "## Commands\n", "```\n" + "\n".join(meta["commands"]) + "\n```\n",
           "## Headline\n", CI_NOTE + "\n", _headline(results, splits, n),
-          "ID = held-out 3-number problems, OOD = 4-number problems (never trained on). *distinct sols / problem*: "
+          "ID = held-out problems from the training generator; OOD = problems whose numbers reach beyond the training "
+          "range (see Setup). *distinct sols / problem*: "
           "distinct correct solutions (countdown.canonical forms) among the n samples; *coverage*: that over all "
           "solutions the problem has (countdown.solve), averaged over problems. *entropy / train reward (end)*: mean "
           "of rl/entropy and rl/reward over the last 10% of RL steps.\n"]

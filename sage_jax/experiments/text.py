@@ -74,14 +74,16 @@ def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, swee
     description = (
         "RL from one shared SFT base on countdown (reach a target with + - * / using each given number once; "
         "verifiable, several distinct solutions per problem). The base's SFT demonstrations spread unevenly over "
-        f"valid strategies ({', '.join(f'{k} {v}' for k, v in config.sft.mode_weights.items())}: a dominant mode and "
-        "rarer valid ones), so RL can sharpen onto the dominant mode or keep the rare ones. Every arm starts from "
+        "valid strategies (each demo's strategy drawn with weights "
+        f"{', '.join(f'{k} {config.sft.mode_weights[k]}' for k in ('mul', 'add', 'sub', 'div'))} among those its "
+        "problem has; the resulting shares are in the strategy table): a dominant mode and rarer valid ones, so RL "
+        "can sharpen onto the dominant mode or keep the rare ones. Every arm starts from "
         "the same base, uses the same seeds (seed = RL sampling + guide randomness + prompt order), budget and "
         "hyperparameters, and differs from GRPO only in its row of the arms table. pass@k is the unbiased estimator "
         f"(evaluation.pass_at_k) from n = {n} samples per problem, for k = 1..{n}.")
+    diffs = {a: ", ".join(f"{k}={v!r}" for k, v in arms_mod.ARMS[a].items()) for a in arms}
     arm_lines = ["| arm | difference from grpo |", "|---|---|"] + [
-        f"| {a} | {', '.join(f'{k}={v!r}' for k, v in arms_mod.ARMS[a].items()) or '(reference: k3 anchor, no guide)'} |"
-        for a in arms]
+        f"| {a} | {d or '(reference: k3 anchor to pi_ref, no guide)'} |" for a, d in diffs.items()]
     ent = base_record.get("entropy", {})
     ent_line = ""
     if ent:
@@ -92,11 +94,16 @@ def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, swee
                                                                       for t, v in ent["frac_above"].items()) + ".")
     setup = (f"Model: Qwen2-style decoder, {m.num_layers} layers, width {m.hidden_size}, {m.num_heads} heads "
              f"({m.num_kv_heads} KV), MLP {m.intermediate_size}, character tokenizer (~{num_params / 1e6:.2f}M "
-             f"parameters), fp32. Data: {config.data.num_train} training problems (3 numbers in 1..{config.data.max_number}),"
-             f" held-out {problems['countdown']} problems from the same generator, OOD {problems['countdown_ood']} "
-             f"problems with 4 numbers. SFT: {config.sft.steps} steps x {config.sft.batch_size} on "
-             f"{config.sft.num_demos} demonstrations. RL: {config.train.steps} steps x {config.rollout.prompts_per_step}"
-             f" prompts x {config.rollout.group_size} samples, lr {config.optim.lr}, beta {config.loss.beta}; "
+             f"parameters), fp32. Data: countdown with 3 numbers in 1..{config.data.max_number}; "
+             f"{config.experiment.sft_problems} problems for SFT demonstrations, another "
+             f"{config.data.num_train - config.experiment.sft_problems} as RL prompts (unseen by the base), "
+             f"{problems['countdown']} held-out problems from the same generator (ID) and {problems['countdown_ood']} "
+             f"problems of {config.data.ood_num_numbers} numbers in 2..{config.data.ood_max_number} (OOD: numbers "
+             f"beyond the training range, tasks.countdown_sets). SFT: {config.sft.steps} steps x "
+             f"{config.sft.batch_size} on "
+             f"{config.sft.num_demos} demonstrations. RL: {config.train.steps} steps x "
+             f"{config.rollout.prompts_per_step} prompts x {config.rollout.group_size} samples, lr {config.optim.lr}, "
+             f"beta {config.loss.beta}; "
              f"Branch gamma {config.loss.gamma}, tau {config.loss.tau}. Seeds per arm: {seeds}.\n\n"
              + "\n".join(arm_lines) + ent_line + "\n\nFull configuration of the grpo arm (configs/countdown_arms.py"
              f":grpo,{budget}):")
@@ -129,8 +136,7 @@ def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, swee
         "shaping is off (completions are ~10 tokens of a 24-token budget).",
         "- BNPO here is its token-mean loss aggregation (no beta-normalised advantages).",
         "- The trainer draws countdown problems from config.seed; until config.data has its own seed, every run "
-        "here reuses the base's problem sets (see reproduce.shared_task), so seeds change RL randomness only.",
-        "- Coverage on OOD problems is small by construction: 4-number problems have dozens of distinct solutions."])
+        "here reuses the base's problem sets (see reproduce.shared_task), so seeds change RL randomness only."])
     commands = [command, "", "# budgets (same code; see configs/countdown_arms.py):",
                 "python -m sage_jax.experiments.reproduce --out docs/results --quick",
                 "python -m sage_jax.experiments.reproduce --out docs/results --seeds 3",
