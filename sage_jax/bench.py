@@ -127,8 +127,21 @@ def _sampler_mode(args: argparse.Namespace) -> list[dict]:
 # --------------------------------------------------------------------------------------------------- entry point
 
 def main(argv: list[str] | None = None) -> None:
+    import sys
+    from sage_jax import bench_train
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in bench_train.MODES:  # train_step, rl_step, memory, scaling, matmul, flags
+        bench_train.main(argv)
+        return
+    if argv and argv[0] == "all":
+        rest = argv[1:]
+        main(["sampler", *rest])
+        for mode in ("matmul", "train_step", "rl_step", "memory", "scaling"):
+            print(f"== {mode}")
+            bench_train.main([mode, *[a for a in rest if not a.startswith("--hf-threads")]])
+        return
     parser = argparse.ArgumentParser(prog="python -m sage_jax.bench", description=__doc__.split("\n")[0])
-    parser.add_argument("mode", choices=[*MODES, "all"])
+    parser.add_argument("mode", choices=[*MODES, "all", "train_step", "rl_step", "memory", "scaling", "matmul"])
     parser.add_argument("--preset", default="both", choices=["tiny", "small", "both"])
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     parser.add_argument("--batch", type=int, default=64)
