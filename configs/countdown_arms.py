@@ -97,7 +97,7 @@ def get_config(arg=None):
     c.sft.update(steps=800, lr=2e-3, warmup_steps=30, batch_size=64, data="countdown", num_demos=4000)
     c.sft.mode_weights.update(mul=0.7, add=0.2, sub=0.07, div=0.03)
     c.experiment = ml_collections.ConfigDict(dict(
-        budget=budget, arm=arm, seeds=3, sft_problems=1000, ood_problems=32, rows_per_call=4096,
+        budget=budget, arm=arm, seeds=3, sft_problems=1000, ood_problems=64, rows_per_call=4096,
         sweep_gammas=(0.1, 0.3, 1.0), sweep_taus=(0.3, 0.6, 1.2), sweep_seeds=1))
     _set(c, BUDGETS[budget])
     _set(c, ARMS[arm])

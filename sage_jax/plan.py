@@ -232,7 +232,7 @@ def lower_ref_logprobs(cfg, config, ref_params, batch, shapes: Shapes):
                                            prompt_len=shapes.prompt_len, temperature=trainer.loss_config(config).temperature)
 
 
-def lower_sampler(cfg, config, params, shapes: Shapes, mesh, num_eos: int = 2):
+def lower_sampler(cfg, config, params, shapes: Shapes, mesh, num_eos: int = 4):
     """sampler._generate_program as sampler.generate calls it for one rollout batch."""
     import jax
     import jax.numpy as jnp
@@ -303,7 +303,7 @@ def kv_cache_bytes(cfg, shapes: Shapes, mesh, rules) -> tuple[int, bool]:
     """(per-device bytes of all layers' k and v, whether the cache's sharding constraint applies)."""
     import jax.numpy as jnp
     from sage_jax import model as model_lib, sharding
-    shape = (shapes.sampler_rows, shapes.cache_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (shapes.sampler_rows, cfg.num_kv_heads, shapes.cache_len, cfg.head_dim)  # model.cache_axes() order
     spec = sharding.logical_to_spec(model_lib.cache_axes(), rules)
     split = [math.prod(mesh.shape[a] for a in ((e,) if isinstance(e, str) else e)) if e else 1 for e in spec]
     split += [1] * (len(shape) - len(split))

@@ -1,6 +1,5 @@
 import json
 import math
-import os
 
 import pytest
 
@@ -107,6 +106,10 @@ def test_tiny_experiment_renders_every_arm_and_resumes(tmp_path):
     assert set(results["aggregate"]) == set(arms)
     assert len(results["aggregate"]["grpo"]["countdown/curve"][0]) == 8  # pass@k for k = 1..n
     assert len(results["sweep"]) == 2
+
+    # --report-only renders from the finished runs alone
+    reproduce.main(["--out", str(tmp_path / "again"), "--work", str(work), "--tiny", "--report-only"])
+    assert "| grpo_branch | 1 |" in (tmp_path / "again" / "RESULTS.md").read_text()
 
     # a rerun skips every finished run
     record = work / "tiny" / "runs" / "grpo" / "seed0" / "record.json"

@@ -79,8 +79,19 @@ def pass_at_k(agg: Mapping[str, Mapping[str, Any]], base: Mapping[str, Any], spl
     plt.close(fig)
 
 
+def smooth(values: Sequence[float | None], window: int) -> list[float]:
+    """Trailing moving average (the first points average what there is); None counts as missing."""
+    x = np.asarray([np.nan if v is None else v for v in values], float)
+    out = []
+    for i in range(len(x)):
+        chunk = x[max(0, i - window + 1):i + 1]
+        out.append(float(np.nanmean(chunk)) if np.isfinite(chunk).any() else math.nan)
+    return out
+
+
 def training(curves: Mapping[str, Sequence[Mapping[str, Sequence]]], path: str) -> None:
-    """Entropy and reward over RL steps: mean over seeds with a 95% band, one column per family."""
+    """Entropy and reward over RL steps (trailing moving average over ~10% of the steps): mean over seeds with a
+    95% band, one column per family."""
     from sage_jax.experiments.stats import mean_ci
     plt = _plt()
     arms = list(curves)
@@ -89,15 +100,19 @@ def training(curves: Mapping[str, Sequence[Mapping[str, Sequence]]], path: str) 
     for col, fam in enumerate(fams):
         for row, name in enumerate(("entropy", "reward")):
             ax = axes[row, col]
+            window = 1
             for arm in fam:
                 runs = [c for c in curves[arm] if c.get(name)]
                 if not runs:
                     continue
                 length = min(len(c[name]) for c in runs)
-                pairs = [mean_ci([c[name][i] for c in runs]) for i in range(length)]
+                window = max(1, length // 10)
+                smoothed = [smooth(c[name][:length], window) for c in runs]
+                pairs = [mean_ci([s[i] for s in smoothed]) for i in range(length)]
                 _band(ax, runs[0]["step"][:length], [p[0] for p in pairs], [p[1] for p in pairs],
                       _color(arm, arms), arm, **_style(arm))
-            ax.set_ylabel({"entropy": "policy entropy (nats/token)", "reward": "train reward"}[name])
+            ax.set_ylabel({"entropy": "policy entropy (nats/token)", "reward": "train reward"}[name]
+                          + (f"\n{window}-step moving average" if window > 1 else ""))
             ax.grid(alpha=0.3)
         axes[1, col].set_xlabel("RL step")
         axes[0, col].legend(fontsize=7)
@@ -117,7 +132,7 @@ def strategy_shares(rows: Mapping[str, Mapping[str, tuple[float, float]]], strat
     for i, name in enumerate(names):
         means = [rows[name][s][0] for s in strategies]
         halves = [rows[name][s][1] for s in strategies]
-        errs = [h if not math.isnan(h) else 0.0 for h in halves]
+        errs = None if all(math.isnan(h) for h in halves) else [0.0 if math.isnan(h) else h for h in halves]
         ax.bar(x + (i - (len(names) - 1) / 2) * width, means, width, yerr=errs, label=name, capsize=2)
     ax.set_xticks(x, strategies)
     ax.set_yscale("log")

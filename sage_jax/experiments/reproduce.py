@@ -4,10 +4,12 @@
     python -m sage_jax.experiments.reproduce --out docs/results               # 10 arms x 3 seeds, ~3 h
     python -m sage_jax.experiments.reproduce --out DIR --sweep                # + Branch gamma x tau grid
 
-Everything runs in this one process (compiled sampler and log-prob programs are shared between runs). Checkpoints
-and per-run records go under --work/BUDGET (default /tmp/sage_reproduce): base/ (the SFT model, trained once),
-runs/ARM/seedK/ and sweep/gammaG_tauT/seedK/, each finished run holding record.json; rerunning the command skips
-what is finished and resumes the rest. --out gets only RESULTS.md, results.json and PNGs.
+Everything runs in this one process (compiled sampler and log-prob programs are shared between runs, and a persistent
+compilation cache, default WORK/jax_cache, serves the per-run jits). The training problems are split once: the
+first experiment.sft_problems make the SFT demonstrations, the rest are RL prompts. Checkpoints and per-run records
+go under --work/BUDGET (default /tmp/sage_reproduce): base/ (the SFT model, trained once), runs/ARM/seedK/ and
+sweep/gammaG_tauT/seedK/, each finished run holding record.json; rerunning the command skips what is finished and
+resumes the rest, and --report-only renders whatever has finished. --out gets only RESULTS.md, results.json, PNGs.
 Arms and budgets live in configs/countdown_arms.py; `--config.key=value` overrides apply to every arm.
 """
 
@@ -36,6 +38,8 @@ from sage_jax.rewards import countdown
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_FILE = ROOT / "configs" / "countdown_arms.py"
 SPLITS = ("countdown", "countdown_ood")
+BASE_SECTIONS = ("model", "data", "sft", "eval", "seed")  # config sections a finished base / run must match
+RUN_SECTIONS = BASE_SECTIONS + ("rollout", "loss", "optim", "train")
 
 
 def arms_module():
@@ -142,7 +146,7 @@ def entropy_profile(task, cfg, params, config, taus: Sequence[float]) -> dict[st
 def train_base(task, config, work: str) -> tuple[Any, Any, dict[str, Any]]:
     """The shared SFT model (resumable) and its record: evaluation, entropy profile, demo strategy shares, times."""
     path = os.path.join(work, "base", "record.json")
-    fp = fingerprint(config, ("model", "data", "sft", "eval", "seed"))
+    fp = fingerprint(config, BASE_SECTIONS)
     record = _read(path)
     if record is not None:
         _check_same(record, fp, path)
@@ -170,13 +174,18 @@ def train_base(task, config, work: str) -> tuple[Any, Any, dict[str, Any]]:
     return cfg, host_params, record
 
 
+def finished(config, run_dir: str) -> dict[str, Any] | None:
+    """The record of a finished run made with this config, None if there is none."""
+    path = os.path.join(run_dir, "record.json")
+    record = _read(path)
+    return None if record is None else _check_same(record, fingerprint(config, RUN_SECTIONS), path)
+
+
 def run_one(task, config, base_params, run_dir: str, label: str) -> dict[str, Any]:
     """RL from the base with `config` in run_dir (resumable), then the evaluation; the run's record."""
-    path = os.path.join(run_dir, "record.json")
-    fp = fingerprint(config, ("model", "data", "sft", "eval", "rollout", "loss", "optim", "train", "seed"))
-    record = _read(path)
+    record = finished(config, run_dir)
     if record is not None:
-        return _check_same(record, fp, path)
+        return record
     t0, c0 = time.perf_counter(), time.process_time()
     summary = trainer.run_rl(config, run_dir, params_override=base_params)
     train_s, train_cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -186,10 +195,10 @@ def run_one(task, config, base_params, run_dir: str, label: str) -> dict[str, An
     del summary
     curves = measure.training_curves(run_dir)
     steps = [s for s in curves["step_s"][1:] if s is not None]
-    record = {"fingerprint": fp, "label": label, "seed": config.seed, "eval": evals, "curves": curves,
-              "times": {"train_wall_s": train_s, "train_cpu_s": train_cpu, "eval_wall_s": time.perf_counter() - t1,
+    record = {"fingerprint": fingerprint(config, RUN_SECTIONS), "label": label, "seed": config.seed, "eval": evals,
+              "curves": curves, "times": {"train_wall_s": train_s, "train_cpu_s": train_cpu, "eval_wall_s": time.perf_counter() - t1,
                         "step_s": statistics.median(steps) if steps else float("nan")}}
-    evaluation.write_json(path, record)
+    evaluation.write_json(os.path.join(run_dir, "record.json"), record)
     ev = report.summarize_run(record)
     n = config.eval.n
     print(f"[{label}] RL {config.train.steps} steps {train_s:.0f}s, eval {record['times']['eval_wall_s']:.0f}s | "
@@ -198,38 +207,58 @@ def run_one(task, config, base_params, run_dir: str, label: str) -> dict[str, An
     return record
 
 
+def jobs(arms, seeds: int, sweep: bool, base_config, budget: str, overrides, work: str):
+    """(bucket, key, seed, config, run_dir, label) for every run, seed-major (an interrupted experiment has every arm
+    at the first seeds), then the sweep cells."""
+    out = []
+    for seed in range(seeds):
+        for arm in arms:
+            out.append(("arms", arm, seed, load_config(arm, budget, overrides, seed=seed),
+                        os.path.join(work, "runs", arm, f"seed{seed}"), f"{arm} seed{seed}"))
+    if sweep:
+        for gamma in base_config.experiment.sweep_gammas:
+            for tau in base_config.experiment.sweep_taus:
+                for seed in range(min(seeds, base_config.experiment.sweep_seeds)):
+                    out.append(("sweep", (gamma, tau), seed,
+                                load_config("grpo_branch", budget, overrides, seed=seed, gamma=gamma, tau=tau),
+                                os.path.join(work, "sweep", f"gamma{gamma}_tau{tau}", f"seed{seed}"),
+                                f"branch gamma={gamma} tau={tau} seed{seed}"))
+    return out
+
+
 def run_experiment(out: str, work: str, budget: str, seeds: int | None, arms: Sequence[str], sweep: bool,
-                   overrides: Sequence[str], command: str) -> dict[str, Any]:
+                   overrides: Sequence[str], command: str, report_only: bool = False) -> dict[str, Any]:
     t_start, c_start, load_start = time.perf_counter(), time.process_time(), os.getloadavg()
     work = os.path.join(work, budget)
     base_config = load_config("grpo", budget, overrides)
     seeds = seeds or base_config.experiment.seeds
-    sweep_seeds = min(seeds, base_config.experiment.sweep_seeds)
-    sft_task, rl_task = split_task(tasks.build(base_config), base_config.experiment.sft_problems)
-    records: dict[str, dict[int, Any]] = {arm: {} for arm in arms}
-    sweep_records: dict[tuple[float, float], dict[int, Any]] = {}
-    with shared_task(sft_task):
-        _, base_params, base_record = train_base(sft_task, base_config, work)
-    task = rl_task
-    with shared_task(rl_task):
-        for seed in range(seeds):  # seed-major: an interrupted experiment has every arm at the first seeds
-            for arm in arms:
-                config = load_config(arm, budget, overrides, seed=seed)
-                records[arm][seed] = run_one(task, config, base_params, os.path.join(work, "runs", arm, f"seed{seed}"),
-                                             f"{arm} seed{seed}")
-        if sweep:
-            for gamma in base_config.experiment.sweep_gammas:
-                for tau in base_config.experiment.sweep_taus:
-                    cell = sweep_records.setdefault((gamma, tau), {})
-                    for seed in range(sweep_seeds):
-                        config = load_config("grpo_branch", budget, overrides, seed=seed, gamma=gamma, tau=tau)
-                        cell[seed] = run_one(task, config, base_params,
-                                             os.path.join(work, "sweep", f"gamma{gamma}_tau{tau}", f"seed{seed}"),
-                                             f"branch gamma={gamma} tau={tau} seed{seed}")
+    todo = jobs(arms, seeds, sweep, base_config, budget, overrides, work)
+    found: dict[str, dict[Any, dict[int, Any]]] = {"arms": {arm: {} for arm in arms}, "sweep": {}}
+    if report_only:  # whatever has finished, nothing new
+        path = os.path.join(work, "base", "record.json")
+        base_record = _read(path)
+        if base_record is None:
+            raise FileNotFoundError(f"no finished base in {os.path.dirname(path)}: run without --report-only first")
+        _check_same(base_record, fingerprint(base_config, BASE_SECTIONS), path)
+        for bucket, key, seed, config, run_dir, _ in todo:
+            record = finished(config, run_dir)
+            if record is not None:
+                found[bucket].setdefault(key, {})[seed] = record
+    else:
+        sft_task, rl_task = split_task(tasks.build(base_config), base_config.experiment.sft_problems)
+        with shared_task(sft_task):
+            _, base_params, base_record = train_base(sft_task, base_config, work)
+        with shared_task(rl_task):
+            for bucket, key, seed, config, run_dir, label in todo:
+                found[bucket].setdefault(key, {})[seed] = run_one(rl_task, config, base_params, run_dir, label)
+    records = {arm: runs for arm, runs in found["arms"].items() if runs}
+    if not records:
+        raise ValueError(f"no finished runs under {work} for arms {', '.join(arms)}")
     wall, cpu = time.perf_counter() - t_start, time.process_time() - c_start
-    meta = text.meta(base_config, budget, seeds, arms, sweep, sweep_seeds, command, base_record, records,
-                     sweep_records, wall, cpu, (load_start, os.getloadavg()), arms_module())
-    results = report.build(base_record, records, sweep_records, meta)
+    meta = text.meta(base_config, budget, seeds, list(records), sweep,
+                     min(seeds, base_config.experiment.sweep_seeds), command, base_record, records, found["sweep"],
+                     wall, cpu, (load_start, os.getloadavg()), arms_module())
+    results = report.build(base_record, records, found["sweep"], meta)
     report.write(out, results)
     print(f"wrote {os.path.join(out, 'RESULTS.md')} ({wall / 60:.1f} min wall, {cpu / 60:.1f} min CPU)", flush=True)
     return results
@@ -247,6 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=None, help="RL seeds per arm (default: the budget's)")
     parser.add_argument("--arms", default="", help="comma-separated subset of the arms (default: all)")
     parser.add_argument("--sweep", action="store_true", help="also run the Branch gamma x tau grid")
+    parser.add_argument("--report-only", action="store_true",
+                        help="render RESULTS.md from the finished runs under --work; train nothing")
     parser.add_argument("--compile-cache", default=None,
                         help="JAX persistent compilation cache (default WORK/jax_cache; 'off' disables)")
     args = parser.parse_args(rest)
@@ -262,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cache = args.compile_cache or os.path.join(args.work, "jax_cache")
     if cache != "off" and not jax.config.jax_compilation_cache_dir:
         use_compile_cache(cache)
-    run_experiment(args.out, args.work, budget, args.seeds, arms, args.sweep, overrides, command)
+    run_experiment(args.out, args.work, budget, args.seeds, arms, args.sweep, overrides, command, args.report_only)
     return 0
 
 

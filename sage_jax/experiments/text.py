@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 from typing import Any, Mapping, Sequence
@@ -110,10 +109,15 @@ def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, swee
     hyper = "\n".join(_flat({k: v for k, v in config.to_dict().items() if k not in ("mesh",)}))
     times = arm_times(records)
     base_t = base_record["times"]
-    timing = (f"This run: {wall / 60:.1f} min wall, {cpu / 60:.1f} min process CPU on {cores} cores (load average "
-              f"{loads[0][0]:.1f} at the start, {loads[1][0]:.1f} at the end: the machine was shared, so wall times "
-              f"are inflated). SFT base: {base_t['sft_wall_s']:.0f} s ({config.sft.steps} steps), base eval "
-              f"{base_t['eval_wall_s']:.0f} s (times from when the base was made).")
+    all_runs = [r for runs in (*records.values(), *sweep_records.values()) for r in runs.values()]
+    rl_s = sum(r["times"]["train_wall_s"] for r in all_runs)
+    ev_s = sum(r["times"]["eval_wall_s"] for r in all_runs)
+    timing = (f"This invocation: {wall / 60:.1f} min wall, {cpu / 60:.1f} min process CPU on {cores} cores (load "
+              f"average {loads[0][0]:.1f} at the start, {loads[1][0]:.1f} at the end; on a shared machine wall times "
+              f"are inflated). Recorded time of everything in this report, whenever it ran: "
+              f"{(base_t['sft_wall_s'] + base_t['eval_wall_s'] + rl_s + ev_s) / 60:.1f} min = SFT base "
+              f"{base_t['sft_wall_s']:.0f} s ({config.sft.steps} steps) + base eval {base_t['eval_wall_s']:.0f} s + "
+              f"RL {rl_s:.0f} s + eval {ev_s:.0f} s over {len(all_runs)} runs.")
     if est:
         timing += (
             f"\n\nEstimated `full` run (10 arms x {full.experiment.seeds} seeds, {full.train.steps} RL steps, "
