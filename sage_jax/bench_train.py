@@ -61,14 +61,16 @@ def register(name: str):
 # --------------------------------------------------------------------------------------------------- helpers
 
 def interleaved_seconds(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
-    """Seconds of each fn per round: one warm-up call each, then `repeats` rounds calling each once."""
+    """Seconds of each fn per round: one warm-up call each, then `repeats` rounds calling each once. Each round
+    starts one further down the list, so no fn always runs first (or right after the same neighbour)."""
     for fn in fns.values():
         jax.block_until_ready(fn())
+    names = list(fns)
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
             start = time.perf_counter()
-            jax.block_until_ready(fn())
+            jax.block_until_ready(fns[name]())
             times[name].append(time.perf_counter() - start)
     return times
 
@@ -123,7 +125,8 @@ def random_loss_batch(cfg: model.ModelConfig, rows: int, prompt_len: int, comple
 
 def preset_config(preset: str, dtype: str, **overrides) -> model.ModelConfig:
     """Params in fp32 for training (bf16 only as the compute dtype, as configs/base.py does)."""
-    return model.preset(preset, param_dtype="float32", compute_dtype=DTYPES[dtype], eos_token_ids=(), **overrides)
+    return model.preset(preset, **{"param_dtype": "float32", "compute_dtype": DTYPES[dtype], "eos_token_ids": (),
+                                   **overrides})
 
 
 def lowered_train_step(cfg: model.ModelConfig, loss_cfg: objectives.LossConfig, rows: int, prompt_len: int,
@@ -204,7 +207,8 @@ def bench_train_step(preset: str = "tiny", dtype: str = "fp32", rows: int = 64, 
         out.append(dict(preset=preset, dtype=dtype, variant=name, rows=v["rows"], seq=prompt_len + completion_len,
                         seconds=s, tokens_per_s=v["rows"] * (prompt_len + completion_len) / s,
                         model_gflops=v["flops"] / 1e9, gflops_per_s=v["flops"] / s / 1e9, peak_gflops_per_s=peak / 1e9,
-                        frac_of_peak=v["flops"] / s / peak, compile_s=v["compile_s"], xla_gflops=v["xla_gflops"]))
+                        frac_of_peak=v["flops"] / s / peak, compile_s=v["compile_s"], xla_gflops=v["xla_gflops"],
+                        runs_s=times[name], peak_runs_s=times["matmul_peak"]))
     print_table(out, [("preset", ""), ("dtype", ""), ("variant", ""), ("rows", "d"), ("seq", "d"), ("seconds", ".3f"),
                       ("tokens_per_s", ".0f"), ("gflops_per_s", ".1f"), ("peak_gflops_per_s", ".1f"),
                       ("frac_of_peak", ".2f"), ("compile_s", ".1f")])
@@ -239,12 +243,12 @@ def bench_flags(flag_sets: dict[str, str] | None = None, mode: str = "train_step
     for name, per_round in runs.items():
         for i, template in enumerate(per_round[0]):
             row = {k: (statistics.median(r[i][k] for r in per_round) if isinstance(v, float) else v)
-                   for k, v in template.items()}
+                   for k, v in template.items() if not isinstance(v, list)}
             out.append(dict(flags=name, xla_flags=flag_sets[name], **row))
     first = out[:len(runs[next(iter(runs))][0])]
     for j, r in enumerate(out):
         r["speedup"] = r[metric] / first[j % len(first)][metric]
-    print_table(out, [("flags", ""), *[(k, ".1f" if isinstance(v, float) else "") for k, v in out[0].items()
+    print_table(out, [("flags", ""), *[(k, ".3g" if isinstance(v, float) else "") for k, v in out[0].items()
                                        if k not in ("flags", "xla_flags", "speedup")], ("speedup", ".2f")])
     return out
 

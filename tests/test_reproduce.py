@@ -119,3 +119,16 @@ def test_tiny_experiment_renders_every_arm_and_resumes(tmp_path):
     # and refuses to mix runs made with other settings
     with pytest.raises(ValueError, match="different settings"):
         reproduce.main(args + ["--config.optim.lr=0.5"])
+
+
+def test_claim_lets_one_process_run_a_directory(tmp_path):
+    run_dir = str(tmp_path / "run")
+    with reproduce.claim(run_dir) as first:
+        assert first
+        with reproduce.claim(run_dir) as second:  # the claim file names this (live) process
+            assert not second
+    with reproduce.claim(run_dir) as again:  # released
+        assert again
+    (tmp_path / "run" / "claim.pid").write_text("999999999")  # a process that is gone: a stale claim is taken over
+    with reproduce.claim(run_dir) as stale:
+        assert stale

@@ -43,9 +43,19 @@ def _families(arms: Sequence[str]) -> list[list[str]]:
     return fams
 
 
+def paired_curve(per_seed: Mapping[str, Mapping[int, Mapping[str, Any]]], arm: str, ref: str, key: str
+                 ) -> tuple[list[float], list[float]]:
+    """Mean and 95% half-width over seeds of (arm - ref) curves, paired by seed."""
+    from sage_jax.experiments.stats import mean_ci
+    seeds = sorted(set(per_seed[arm]) & set(per_seed[ref]))
+    diffs = [np.asarray(per_seed[arm][s][key]) - np.asarray(per_seed[ref][s][key]) for s in seeds]
+    pairs = [mean_ci(column) for column in zip(*diffs)]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
 def pass_at_k(agg: Mapping[str, Mapping[str, Any]], base: Mapping[str, Any], split: str, path: str,
-              title: str) -> None:
-    """Top: pass@k vs k per arm (mean, 95% band over seeds) and the base; bottom: arm - GRPO."""
+              title: str, per_seed: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> None:
+    """Top: pass@k vs k per arm (mean, 95% band over seeds) and the base; bottom: arm - GRPO paired by seed."""
     plt = _plt()
     arms = list(agg)
     fams = _families(arms)
@@ -59,12 +69,13 @@ def pass_at_k(agg: Mapping[str, Mapping[str, Any]], base: Mapping[str, Any], spl
         for arm in fam:
             mean, half = agg[arm][f"{split}/curve"]
             _band(top, ks, mean, half, _color(arm, arms), arm, **_style(arm))
-            if arm != "grpo":
-                _band(bottom, ks, np.asarray(mean) - np.asarray(ref), half, _color(arm, arms), arm, **_style(arm))
+            if arm != "grpo" and "grpo" in agg:
+                _band(bottom, ks, *paired_curve(per_seed, arm, "grpo", f"{split}/curve"), _color(arm, arms), arm,
+                      **_style(arm))
         bottom.axhline(0.0, color="grey", linewidth=0.8)
         bottom.plot(ks, np.asarray(base_curve) - np.asarray(ref), color="black", linewidth=1.0, label="base")
         top.set_ylabel("pass@k")
-        bottom.set_ylabel("pass@k − GRPO" if "grpo" in agg else "pass@k − base")
+        bottom.set_ylabel("pass@k − GRPO (same seeds)")
         bottom.set_xlabel("k")
         ticks = [k for k in (2 ** i for i in range(12)) if k <= len(ks)]
         for ax in (top, bottom):

@@ -163,7 +163,8 @@ def write(out_dir: str, results: Mapping[str, Any]) -> str:
     for s in splits:
         name = f"pass_at_k_{s}.png"
         plots.pass_at_k(agg, base_curves, s, os.path.join(out_dir, name),
-                        f"pass@k, {SPLIT_NAMES.get(s, s)} ({meta['problems'][s]} problems, n={n})")
+                        f"pass@k, {SPLIT_NAMES.get(s, s)} ({meta['problems'][s]} problems, n={n})",
+                        results["per_seed"])
         figures.append(name)
     plots.training(results["curves"], os.path.join(out_dir, "training_curves.png"))
     share_rows = _share_rows(results, splits[0])

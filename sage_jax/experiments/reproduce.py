@@ -9,7 +9,9 @@ compilation cache, default WORK/jax_cache, serves the per-run jits). The trainin
 first experiment.sft_problems make the SFT demonstrations, the rest are RL prompts. Checkpoints and per-run records
 go under --work/BUDGET (default /tmp/sage_reproduce): base/ (the SFT model, trained once), runs/ARM/seedK/ and
 sweep/gammaG_tauT/seedK/, each finished run holding record.json; rerunning the command skips what is finished and
-resumes the rest, and --report-only renders whatever has finished. --out gets only RESULTS.md, results.json, PNGs.
+resumes the rest, and --report-only renders whatever has finished. Two processes started with the same command (on
+a machine with cores to spare) split the runs between them through a claim file in each run directory; start the
+second once the base has finished, and render the report with --report-only when both are done. --out gets only RESULTS.md, results.json, PNGs.
 Arms and budgets live in configs/countdown_arms.py; `--config.key=value` overrides apply to every arm.
 """
 
@@ -143,19 +145,28 @@ def entropy_profile(task, cfg, params, config, taus: Sequence[float]) -> dict[st
 
 # --------------------------------------------------------------------------------------------------- runs
 
-def train_base(task, config, work: str) -> tuple[Any, Any, dict[str, Any]]:
+def train_base(task, config, work: str, command: str = "") -> tuple[Any, Any, dict[str, Any]]:
     """The shared SFT model (resumable) and its record: evaluation, entropy profile, demo strategy shares, times."""
     path = os.path.join(work, "base", "record.json")
     fp = fingerprint(config, BASE_SECTIONS)
     record = _read(path)
-    if record is not None:
-        _check_same(record, fp, path)
+    while record is None:
+        with claim(os.path.join(work, "base")) as mine:
+            if mine:
+                return _train_base(task, config, work, command, path, fp)
+        print("[base] another process is training the base; waiting for it", flush=True)
+        time.sleep(30)
+        record = _read(path)
+    _check_same(record, fp, path)
+    cfg, params = supervised.run_sft(config, os.path.join(work, "base"))  # restores the finished checkpoint
+    print(f"[base] reusing {os.path.dirname(path)}", flush=True)
+    return cfg, jax.device_get(params), record
+
+
+def _train_base(task, config, work: str, command: str, path: str, fp: str) -> tuple[Any, Any, dict[str, Any]]:
     t0, c0 = time.perf_counter(), time.process_time()
     cfg, params = supervised.run_sft(config, os.path.join(work, "base"))
     host_params = jax.device_get(params)  # each run gets fresh device buffers from it (the train state is donated)
-    if record is not None:
-        print(f"[base] reusing {os.path.dirname(path)}", flush=True)
-        return cfg, host_params, record
     sft_s, sft_cpu = time.perf_counter() - t0, time.process_time() - c0
     demos = supervised.demonstrations(config, task)
     demo_counts: dict[str, int] = {}
@@ -164,7 +175,7 @@ def train_base(task, config, work: str) -> tuple[Any, Any, dict[str, Any]]:
         demo_counts[s] = demo_counts.get(s, 0) + 1
     t1 = time.perf_counter()
     evals = evaluate_policy(task, cfg, params, config, jax.random.key(10_000))
-    record = {"fingerprint": fp, "eval": evals, "curves": {}, "sft_steps": config.sft.steps,
+    record = {"fingerprint": fp, "command": command, "eval": evals, "curves": {}, "sft_steps": config.sft.steps,
               "demo_shares": {s: c / len(demos) for s, c in demo_counts.items()},
               "entropy": entropy_profile(task, cfg, params, config, config.experiment.sweep_taus),
               "times": {"sft_wall_s": sft_s, "sft_cpu_s": sft_cpu, "eval_wall_s": time.perf_counter() - t1}}
@@ -181,11 +192,53 @@ def finished(config, run_dir: str) -> dict[str, Any] | None:
     return None if record is None else _check_same(record, fingerprint(config, RUN_SECTIONS), path)
 
 
-def run_one(task, config, base_params, run_dir: str, label: str) -> dict[str, Any]:
-    """RL from the base with `config` in run_dir (resumable), then the evaluation; the run's record."""
+@contextlib.contextmanager
+def claim(run_dir: str) -> Iterator[bool]:
+    """Whether this process may run `run_dir`: False while another live process holds its claim file, so several
+    processes started with the same command share one work list (each run is done once)."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "claim.pid")
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                pid = int(Path(path).read_text().strip() or 0)
+                os.kill(pid, 0)
+            except (ValueError, ProcessLookupError, FileNotFoundError):  # stale: its process is gone
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+                continue
+            except PermissionError:
+                pass
+            yield False
+            return
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        try:
+            yield True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+        return
+    yield False
+
+
+def run_one(task, config, base_params, run_dir: str, label: str, command: str = "") -> dict[str, Any] | None:
+    """RL from the base with `config` in run_dir (resumable), then the evaluation; the run's record (None when
+    another process is running it)."""
     record = finished(config, run_dir)
     if record is not None:
         return record
+    with claim(run_dir) as mine:
+        if not mine:
+            print(f"[{label}] another process is running it; skipped here", flush=True)
+            return None
+        record = finished(config, run_dir)  # it may have finished between the check and the claim
+        return record if record is not None else _run_one(task, config, base_params, run_dir, label, command)
+
+
+def _run_one(task, config, base_params, run_dir: str, label: str, command: str) -> dict[str, Any]:
     t0, c0 = time.perf_counter(), time.process_time()
     summary = trainer.run_rl(config, run_dir, params_override=base_params)
     train_s, train_cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -195,9 +248,10 @@ def run_one(task, config, base_params, run_dir: str, label: str) -> dict[str, An
     del summary
     curves = measure.training_curves(run_dir)
     steps = [s for s in curves["step_s"][1:] if s is not None]
-    record = {"fingerprint": fingerprint(config, RUN_SECTIONS), "label": label, "seed": config.seed, "eval": evals,
-              "curves": curves, "times": {"train_wall_s": train_s, "train_cpu_s": train_cpu, "eval_wall_s": time.perf_counter() - t1,
-                        "step_s": statistics.median(steps) if steps else float("nan")}}
+    times = {"train_wall_s": train_s, "train_cpu_s": train_cpu, "eval_wall_s": time.perf_counter() - t1,
+             "step_s": statistics.median(steps) if steps else float("nan")}
+    record = {"fingerprint": fingerprint(config, RUN_SECTIONS), "command": command, "label": label,
+              "seed": config.seed, "eval": evals, "curves": curves, "times": times}
     evaluation.write_json(os.path.join(run_dir, "record.json"), record)
     ev = report.summarize_run(record)
     n = config.eval.n
@@ -247,10 +301,16 @@ def run_experiment(out: str, work: str, budget: str, seeds: int | None, arms: Se
     else:
         sft_task, rl_task = split_task(tasks.build(base_config), base_config.experiment.sft_problems)
         with shared_task(sft_task):
-            _, base_params, base_record = train_base(sft_task, base_config, work)
+            _, base_params, base_record = train_base(sft_task, base_config, work, command)
         with shared_task(rl_task):
             for bucket, key, seed, config, run_dir, label in todo:
-                found[bucket].setdefault(key, {})[seed] = run_one(rl_task, config, base_params, run_dir, label)
+                record = run_one(rl_task, config, base_params, run_dir, label, command)
+                if record is None:  # another process's; counted if it has finished by the time all others are
+                    continue
+                found[bucket].setdefault(key, {})[seed] = record
+        for bucket, key, seed, config, run_dir, _ in todo:
+            if seed not in found[bucket].get(key, {}) and (record := finished(config, run_dir)) is not None:
+                found[bucket].setdefault(key, {})[seed] = record
     records = {arm: runs for arm, runs in found["arms"].items() if runs}
     if not records:
         raise ValueError(f"no finished runs under {work} for arms {', '.join(arms)}")

@@ -30,12 +30,13 @@ def arm_times(records: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> dict[st
     return out
 
 
-def estimate(full, base_record, records, sweep_records, n_arms: int, wall: float, cpu: float) -> dict[str, float]:
-    """Seconds a `full` run (+ sweep) would take, extrapolated from this run's measured costs.
+def estimate(full, base_record, records, n_arms: int) -> dict[str, float]:
+    """Seconds a `full` run (+ sweep) would take, extrapolated from the recorded runs' measured costs.
 
     Per-step costs carry over because the budgets differ only in step counts, seeds and evaluation sizes:
     a run costs (its fixed overhead: compiles, setup) + (median step time) x steps; evaluation costs a measured
-    time per sampled completion; SFT a measured time per step.
+    time per sampled completion; SFT a measured time per step. cpu_ratio (process CPU s per wall s during RL) turns
+    wall times measured on a busy machine into those of a quiet one, for a process that uses about one core.
     """
     runs = [r for arm in records.values() for r in arm.values()]
     if not runs:
@@ -53,7 +54,7 @@ def estimate(full, base_record, records, sweep_records, n_arms: int, wall: float
            "total_s": sft + per_row * full_rows + n_arms * full.experiment.seeds * one_run,
            "sweep_s": len(full.experiment.sweep_gammas) * len(full.experiment.sweep_taus) * full.experiment.sweep_seeds
            * one_run, "per_step_s": per_step, "overhead_s": overhead, "per_row_ms": per_row * 1e3,
-           "cpu_share": cpu / max(wall, 1e-9) / (os.cpu_count() or 1)}
+           "cpu_ratio": sum(r["times"]["train_cpu_s"] for r in runs) / sum(r["times"]["train_wall_s"] for r in runs)}
     return est
 
 
@@ -66,7 +67,7 @@ def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, swee
     n = int(config.eval.n)
     problems = {s: len(base_record["eval"][s]) for s in SPLITS}
     full = load_config("grpo", "full")
-    est = estimate(full, base_record, records, sweep_records, len(arms_mod.ARMS), wall, cpu)
+    est = estimate(full, base_record, records, len(arms_mod.ARMS))
     cores = os.cpu_count() or 1
     m = config.model
     num_params = trainer.model_config(config, vocab_size=countdown.CountdownTokenizer().vocab_size).num_params
@@ -112,9 +113,10 @@ def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, swee
     all_runs = [r for runs in (*records.values(), *sweep_records.values()) for r in runs.values()]
     rl_s = sum(r["times"]["train_wall_s"] for r in all_runs)
     ev_s = sum(r["times"]["eval_wall_s"] for r in all_runs)
-    timing = (f"This invocation: {wall / 60:.1f} min wall, {cpu / 60:.1f} min process CPU on {cores} cores (load "
-              f"average {loads[0][0]:.1f} at the start, {loads[1][0]:.1f} at the end; on a shared machine wall times "
-              f"are inflated). Recorded time of everything in this report, whenever it ran: "
+    timing = (("This invocation (--report-only: rendering alone): " if "--report-only" in command else
+               "This invocation: ") + f"{wall / 60:.1f} min wall, {cpu / 60:.1f} min process CPU on {cores} cores "
+              f"(load average {loads[0][0]:.1f} at the start, {loads[1][0]:.1f} at the end; on a shared machine wall "
+              f"times are inflated). Recorded time of everything in this report, whenever it ran: "
               f"{(base_t['sft_wall_s'] + base_t['eval_wall_s'] + rl_s + ev_s) / 60:.1f} min = SFT base "
               f"{base_t['sft_wall_s']:.0f} s ({config.sft.steps} steps) + base eval {base_t['eval_wall_s']:.0f} s + "
               f"RL {rl_s:.0f} s + eval {ev_s:.0f} s over {len(all_runs)} runs.")
@@ -125,8 +127,9 @@ def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, swee
             f"problems), extrapolated from this run's measured costs (median {est['per_step_s']:.2f} s per RL step, "
             f"{est['overhead_s']:.0f} s fixed per run, {est['per_row_ms']:.2f} ms per sampled eval completion): "
             f"{est['total_s'] / 3600:.1f} h at this run's speed"
-            + (f", about {est['total_s'] * min(est['cpu_share'], 1.0) / 3600:.1f} h on {cores} idle cores (this "
-               f"process got {est['cpu_share'] * 100:.0f}% of the cores)" if est['cpu_share'] < 0.95 else "")
+            + (f", about {est['total_s'] * est['cpu_ratio'] / 3600:.1f} h on a quiet machine (the RL runs got "
+               f"{est['cpu_ratio']:.2f} CPU seconds per wall second; the process mostly keeps one core busy)"
+               if est['cpu_ratio'] < 0.95 else "")
             + f"; `--sweep` adds {est['sweep_s'] / 3600:.1f} h ({len(full.experiment.sweep_gammas)} x "
               f"{len(full.experiment.sweep_taus)} cells x {full.experiment.sweep_seeds} seed).")
     caveats = "\n".join([
@@ -137,14 +140,19 @@ def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, swee
                                         "; 95% t-intervals with so few seeds are wide."),
         "- DAPO arms draw extra rollouts when groups have zero reward variance (dynamic sampling, up to "
         f"{config.train.max_resample} extra rounds), so they spend more sampling compute per step; overlong "
-        "shaping is off (completions are ~10 tokens of a 24-token budget).",
+        "shaping is off (completions are ~10 tokens of a 24-token budget). Their logged train reward is over the "
+        "kept (mixed-outcome) groups, so it reads higher than the other arms' and is not comparable with them.",
         "- BNPO here is its token-mean loss aggregation (no beta-normalised advantages).",
         "- The trainer draws countdown problems from config.seed; until config.data has its own seed, every run "
         "here reuses the base's problem sets (see reproduce.shared_task), so seeds change RL randomness only."])
-    commands = [command, "", "# budgets (same code; see configs/countdown_arms.py):",
-                "python -m sage_jax.experiments.reproduce --out docs/results --quick",
-                "python -m sage_jax.experiments.reproduce --out docs/results --seeds 3",
-                "python -m sage_jax.experiments.reproduce --out docs/results --sweep"]
+    made_by = list(dict.fromkeys(r.get("command") for r in [base_record, *all_runs] if r.get("command")))
+    commands = ["# the runs in this report were made by:", *made_by] + (
+        ["# and this report rendered by:", command] if made_by != [command] else []) + [
+                "", "# the budgets (configs/countdown_arms.py BUDGETS) and other uses:",
+                "python -m sage_jax.experiments.reproduce --out docs/results --quick  # 1 seed, short SFT and RL",
+                "python -m sage_jax.experiments.reproduce --out DIR                  # full: 3 seeds, 80 RL steps",
+                "python -m sage_jax.experiments.reproduce --out DIR --sweep          # + Branch gamma x tau grid",
+                "python -m sage_jax.experiments.reproduce --out DIR --report-only    # render what has finished"]
     sweep_note = (f"{sweep_seeds} seed(s) per cell, otherwise the grpo_branch arm; taus chosen around the base "
                   "policy's token entropies (see the setup section).")
     return {"budget": budget, "seeds": seeds, "arms": list(arms), "n": n, "splits": list(SPLITS),
