@@ -405,8 +405,16 @@ def _read_summary(path):
 
 
 def _write_summary(path, summary, primary):
-    if primary:
-        evaluation.write_json(path, {k: v for k, v in summary.items() if k not in ("state", "model_cfg")})
+    """summary.json, and next to it pass_at_k.png: one curve per (phase, eval set) that has been evaluated."""
+    if not primary:
+        return
+    evaluation.write_json(path, {k: v for k, v in summary.items() if k not in ("state", "model_cfg")})
+    curves = {f"{phase}: {name}": {int(k.split("@")[1]): v for k, v in table.items()}
+              for phase in ("before", "after") if phase in summary
+              for name, table in summary[phase].get("datasets", {}).items()}
+    if curves:
+        evaluation.plot_pass_at_k(curves, os.path.join(os.path.dirname(path), "pass_at_k.png"),
+                                  title="pass@k before and after RL")
 
 
 def run(config, workdir: str) -> dict[str, Any]:

@@ -96,7 +96,7 @@ def test_notebook_runs_tiny(tmp_path, monkeypatch):
     assert _has_png(pass_plot) and "| before |" in _text(pass_plot) and "| after |" in _text(pass_plot)
 
     # everything went to the workdir, nothing next to the notebook or at the repository root
-    for name in ("metrics.jsonl", "summary.json", "eval/before", "eval/after"):
+    for name in ("metrics.jsonl", "summary.json", "pass_at_k.png", "eval/before", "eval/after"):
         assert (workdir / "run" / name).exists(), name
     written = {"run", "data", "tiny_qwen2", "training_curves.png", "pass_at_k.png", "sage_jax_src"}
     assert (workdir / "training_curves.png").is_file() and (workdir / "pass_at_k.png").is_file()

@@ -148,3 +148,15 @@ def test_cli_errors_are_one_clear_line(tmp_path):
     assert r.returncode == 2 and "/nonexistent/model" in r.stderr and "Traceback" not in r.stderr
     r = _run(tmp_path / "c", "--config.mesh.shape=3,1,1", check=False)
     assert r.returncode == 2 and "mesh shape" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_summary_writes_json_and_a_before_after_plot(tmp_path):
+    table = {"pass@1": 0.25, "pass@4": 0.5}
+    summary = {"before": {**table, "datasets": {"countdown": table}},
+               "after": {**table, "datasets": {"countdown": {"pass@1": 0.3, "pass@4": 0.5}}}, "state": object()}
+    trainer._write_summary(str(tmp_path / "summary.json"), summary, primary=True)
+    written = json.loads((tmp_path / "summary.json").read_text())
+    assert written["after"]["datasets"]["countdown"]["pass@1"] == 0.3 and "state" not in written
+    assert (tmp_path / "pass_at_k.png").read_bytes()[:4] == b"\x89PNG"
+    trainer._write_summary(str(tmp_path / "other" / "summary.json"), summary, primary=False)
+    assert not (tmp_path / "other").exists()
