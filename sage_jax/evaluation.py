@@ -122,11 +122,13 @@ class EvalRecorder:
     """Append-only JSONL log, one line per scored problem; reopening it skips problems already present.
 
     A crash mid-write can leave a truncated last line: it is dropped (and cut from the file) on reopen. A bad line
-    anywhere else is corruption and raises ValueError naming the line.
+    anywhere else is corruption and raises ValueError naming the line. With write=False (every process but the
+    first of a multi-host run) the file is only read and new records stay in memory.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, write: bool = True):
         self.path = Path(path)
+        self.write = write
         self.records: list[dict[str, Any]] = []
         self._ids: set[str] = set()
         if self.path.exists():
@@ -147,15 +149,16 @@ class EvalRecorder:
                     record = None
                 if not isinstance(record, dict) or "id" not in record:
                     if is_last:  # interrupted write: forget it, the problem is re-run
-                        with open(self.path, "r+b") as f:
-                            f.truncate(pos)
+                        if self.write:
+                            with open(self.path, "r+b") as f:
+                                f.truncate(pos)
                         return
                     raise ValueError(f"{self.path}:{lineno}: corrupt sample record; delete that line (the problem"
                                      " is then re-run) or the whole file")
                 self.records.append(record)
                 self._ids.add(str(record["id"]))
             pos = end
-        if data and not data.endswith(b"\n"):
+        if data and not data.endswith(b"\n") and self.write:
             with open(self.path, "ab") as f:  # a complete last record that lost its newline
                 f.write(b"\n")
 
@@ -173,10 +176,11 @@ class EvalRecorder:
         if "id" not in record:
             raise ValueError("sample records need an 'id'")
         record = dict(record, id=str(record["id"]))
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-            f.flush()
+        if self.write:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                f.flush()
         self.records.append(record)
         self._ids.add(record["id"])
 
@@ -253,7 +257,11 @@ def evaluate(
         raise ValueError(f"every k must be in [1, n={n}], got {ks}")
     reward_fn = get_reward_fn(reward_name)
     out_dir = Path(out_dir)
-    recorder = EvalRecorder(out_dir / "samples.jsonl")
+    import jax
+    # every process samples (the sampler is a collective) and scores; only the first writes files (a multi-host run
+    # resumes from out_dir, so it must be on a filesystem all hosts read, as the checkpoints are)
+    primary = jax.process_index() == 0
+    recorder = EvalRecorder(out_dir / "samples.jsonl", write=primary)
     ids = [str(ex.meta.get("id", i)) for i, ex in enumerate(examples)]
     if len(set(ids)) != len(ids):
         raise ValueError("example ids are not unique; resuming needs a unique meta['id'] per example")
@@ -286,7 +294,8 @@ def evaluate(
     table = summarize(records, ks)
     results = {"run": run_name, "n": n, "num_problems": len(records),
                "pass_at_k": {str(k): v for k, v in table.items()}}
-    write_json(out_dir / "results.json", results)
-    write_markdown(out_dir / "results.md", {run_name: table}, ks)
-    plot_pass_at_k({run_name: table}, out_dir / "pass_at_k.png")
+    if primary:
+        write_json(out_dir / "results.json", results)
+        write_markdown(out_dir / "results.md", {run_name: table}, ks)
+        plot_pass_at_k({run_name: table}, out_dir / "pass_at_k.png")
     return results

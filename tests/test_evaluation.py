@@ -138,6 +138,23 @@ def test_evaluate_countdown_with_fake_generator_and_resume(tmp_path):
                     progress=False)
 
 
+def test_evaluate_writes_nothing_on_non_primary_processes(tmp_path, monkeypatch):
+    """A multi-host run: every process samples and scores, only process 0 writes (same results everywhere)."""
+    import jax
+    problems = cd.generate_problems(3, seed=1, high=9)
+    examples = countdown_examples(problems)
+    generate = lambda prompt_ids, n: [["1+1=2"] * n for _ in prompt_ids]
+    (tmp_path / "done").mkdir()
+    ev.EvalRecorder(tmp_path / "done" / "samples.jsonl").add({"id": "0", "n": 2, "num_correct": 1})
+    before = (tmp_path / "done" / "samples.jsonl").read_bytes()
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    results = ev.evaluate(None, None, FakeTokenizer(), examples, "countdown", 2, [1, 2], tmp_path / "done",
+                          generate_fn=generate, progress=False)
+    assert results["num_problems"] == 3 and results["pass_at_k"]["1"] == pytest.approx(1 / 6)  # read the resumed row
+    assert (tmp_path / "done" / "samples.jsonl").read_bytes() == before
+    assert sorted(p.name for p in (tmp_path / "done").iterdir()) == ["samples.jsonl"]
+
+
 def test_evaluate_argument_errors(tmp_path):
     examples = [Example("p", "a", {"id": "1"})]
     with pytest.raises(ValueError, match="generate_fn"):
