@@ -133,15 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     if argv and argv[0] in bench_train.MODES:  # train_step, rl_step, memory, scaling, matmul, flags
         bench_train.main(argv)
         return
-    if argv and argv[0] == "all":
-        rest = argv[1:]
-        main(["sampler", *rest])
-        for mode in ("matmul", "train_step", "rl_step", "memory", "scaling"):
-            print(f"== {mode}")
-            bench_train.main([mode, *[a for a in rest if not a.startswith("--hf-threads")]])
-        return
     parser = argparse.ArgumentParser(prog="python -m sage_jax.bench", description=__doc__.split("\n")[0])
-    parser.add_argument("mode", choices=[*MODES, "all", "train_step", "rl_step", "memory", "scaling", "matmul"])
+    parser.add_argument("mode", choices=[*MODES, *bench_train.MODES, "all"])
     parser.add_argument("--preset", default="both", choices=["tiny", "small", "both"])
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     parser.add_argument("--batch", type=int, default=64)
@@ -153,6 +146,12 @@ def main(argv: list[str] | None = None) -> None:
     for mode in (MODES if args.mode == "all" else [args.mode]):
         print(f"== {mode}")
         MODES[mode](args)
+    if args.mode == "all":  # the training-side modes with the same shapes
+        shared = ["--preset", args.preset, "--dtype", args.dtype, "--batch", str(args.batch), "--prompt-len",
+                  str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
+        for mode in ("matmul", "train_step", "rl_step", "memory", "scaling"):
+            print(f"== {mode}")
+            bench_train.main([mode, *shared])
 
 
 if __name__ == "__main__":

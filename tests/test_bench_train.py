@@ -105,3 +105,18 @@ def test_main_json(capsys):
 def test_rl_step_mode_rejects_bad_group():
     with pytest.raises(ValueError, match="multiple of --group"):
         bench_train.main(["rl_step", "--batch", "6", "--group", "4", "--no-trl"])
+
+
+def test_bench_all_forwards_the_shared_flags(monkeypatch):
+    """`bench all` runs the sampler modes and every training-side mode with the same shape flags; sampler-only flags
+    (--hf-threads N) stay with the sampler."""
+    from sage_jax import bench
+    calls = []
+    monkeypatch.setattr(bench, "MODES", {"sampler": lambda args: calls.append(("sampler", args.hf_threads))})
+    monkeypatch.setattr(bench_train, "main", lambda argv: calls.append(tuple(argv)))
+    bench.main(["all", "--preset", "tiny", "--batch", "8", "--hf-threads", "1"])
+    assert calls[0] == ("sampler", 1)
+    assert [c[0] for c in calls[1:]] == ["matmul", "train_step", "rl_step", "memory", "scaling"]
+    assert all(len(c) % 2 == 1 and all(flag.startswith("--") for flag in c[1::2]) for c in calls[1:])  # flag, value
+    assert all(c[c.index("--preset") + 1] == "tiny" and c[c.index("--batch") + 1] == "8" for c in calls[1:])
+    assert not any("--hf-threads" in c for c in calls[1:])
