@@ -11,7 +11,8 @@ go under --work/BUDGET (default /tmp/sage_reproduce): base/ (the SFT model, trai
 sweep/gammaG_tauT/seedK/, each finished run holding record.json; rerunning the command skips what is finished and
 resumes the rest, and --report-only renders whatever has finished. Two processes started with the same command (on
 a machine with cores to spare) split the runs between them through a claim file in each run directory; start the
-second once the base has finished, and render the report with --report-only when both are done. --out gets only RESULTS.md, results.json, PNGs.
+second once the base has finished, and render the report with --report-only when both are done. --out gets only
+RESULTS.md, results.json, PNGs.
 Arms and budgets live in configs/countdown_arms.py; `--config.key=value` overrides apply to every arm.
 """
 
@@ -294,23 +295,17 @@ def run_experiment(out: str, work: str, budget: str, seeds: int | None, arms: Se
         if base_record is None:
             raise FileNotFoundError(f"no finished base in {os.path.dirname(path)}: run without --report-only first")
         _check_same(base_record, fingerprint(base_config, BASE_SECTIONS), path)
-        for bucket, key, seed, config, run_dir, _ in todo:
-            record = finished(config, run_dir)
-            if record is not None:
-                found[bucket].setdefault(key, {})[seed] = record
     else:
         sft_task, rl_task = split_task(tasks.build(base_config), base_config.experiment.sft_problems)
         with shared_task(sft_task):
             _, base_params, base_record = train_base(sft_task, base_config, work, command)
         with shared_task(rl_task):
-            for bucket, key, seed, config, run_dir, label in todo:
-                record = run_one(rl_task, config, base_params, run_dir, label, command)
-                if record is None:  # another process's; counted if it has finished by the time all others are
-                    continue
-                found[bucket].setdefault(key, {})[seed] = record
-        for bucket, key, seed, config, run_dir, _ in todo:
-            if seed not in found[bucket].get(key, {}) and (record := finished(config, run_dir)) is not None:
-                found[bucket].setdefault(key, {})[seed] = record
+            for *_, config, run_dir, label in todo:
+                run_one(rl_task, config, base_params, run_dir, label, command)
+    # every finished run, this process's or another's (runs another process still holds are left out)
+    for bucket, key, seed, config, run_dir, _ in todo:
+        if (record := finished(config, run_dir)) is not None:
+            found[bucket].setdefault(key, {})[seed] = record
     records = {arm: runs for arm, runs in found["arms"].items() if runs}
     if not records:
         raise ValueError(f"no finished runs under {work} for arms {', '.join(arms)}")
