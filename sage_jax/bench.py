@@ -5,7 +5,8 @@
 
 `sampler`: this sampler's tokens/s against transformers' `generate` (torch, CPU) on the same random weights, batch,
 prompt length and forced number of new tokens (greedy, EOS ignored). Warm-up runs are excluded; each number is the
-median of `--repeats` runs, ours and theirs interleaved so load from other processes hits both alike.
+median of `--repeats` runs, ours and theirs interleaved (bench_train.interleaved_seconds) so load from other processes
+hits both alike.
 """
 
 from __future__ import annotations
@@ -14,14 +15,15 @@ import argparse
 import os
 import statistics
 import tempfile
-import time
 from typing import Callable
 
 import jax
 import numpy as np
 
+from sage_jax import bench_train
+from sage_jax.bench_train import DTYPES, interleaved_seconds
+
 MODES: dict[str, Callable[[argparse.Namespace], list[dict]]] = {}
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def register(name: str):
@@ -29,18 +31,6 @@ def register(name: str):
         MODES[name] = fn
         return fn
     return wrap
-
-
-def _median_seconds(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    for fn in fns.values():  # warm-up: compilation, caches, thread pools
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 # --------------------------------------------------------------------------------------------------- sampler
@@ -92,7 +82,7 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
                 fns = {"sage_jax": _sage_generate_fn(cfg, params, prompts, new_tokens),
                        "transformers": _hf_generate_fn(tmp, dtype, prompts, new_tokens, hf_threads)}
                 compiled_before = sampler.compile_count()
-                seconds = _median_seconds(fns, repeats)
+                seconds = {k: statistics.median(t) for k, t in interleaved_seconds(fns, repeats).items()}
                 for impl, s in seconds.items():
                     rows.append(dict(preset=name, dtype=dtype, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
                                      impl=impl, seconds=s, tokens_per_s=b * new_tokens / s,
@@ -128,7 +118,6 @@ def _sampler_mode(args: argparse.Namespace) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     import sys
-    from sage_jax import bench_train
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in bench_train.MODES:  # train_step, rl_step, memory, scaling, matmul, flags
         bench_train.main(argv)
