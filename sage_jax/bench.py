@@ -24,6 +24,7 @@ from sage_jax import bench_train
 from sage_jax.bench_train import DTYPES, interleaved_seconds
 
 MODES: dict[str, Callable[[argparse.Namespace], list[dict]]] = {}
+MATMULS_ONLY = "matmuls_only"  # the sampler table's ceiling row: see decode_matmuls_fn
 
 
 def register(name: str):
@@ -63,6 +64,40 @@ def _sage_generate_fn(cfg, params, prompts_BxT: np.ndarray, new_tokens: int) -> 
     return run
 
 
+def decode_matmuls_fn(cfg, params, rows: int, steps: int) -> tuple[Callable[[], jax.Array], float]:
+    """(fn, flops): `steps` decode steps of `rows` rows that do nothing but the model's matmuls (q, k, v, o, gate, up,
+    down per layer and the unembedding, same weights and shapes) chained through one [rows, D] state: the time a
+    decode step cannot go below with XLA's matmuls on this machine (no attention, sampling or cache)."""
+    import jax.numpy as jnp
+
+    from sage_jax import model
+    dt = jnp.dtype(cfg.compute_dtype)
+    D, reps = cfg.hidden_size, cfg.num_heads // cfg.num_kv_heads
+    names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+    layers = [{k: lp[k].astype(dt).reshape(-1, lp[k].shape[-1]) if k in ("wo", "w_down")
+               else lp[k].astype(dt).reshape(D, -1) for k in names}
+              for lp in model.unstack_layers(cfg, params)["layers"]]
+
+    @jax.jit
+    def program(layers, params, x_NxD):
+        w_DxV = model.unembed_matrix(cfg, params)
+
+        def step(_, x):
+            for lp in layers:
+                x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + 1e-6)  # keeps x finite
+                kv = (x @ lp["wk"]) * (x @ lp["wv"])
+                x = x + (x @ lp["wq"] + jnp.tile(kv, (1, reps))) @ lp["wo"]
+                x = x + (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
+            logits = jnp.dot(x, w_DxV, preferred_element_type=jnp.float32)
+            return x + 1e-3 * jnp.max(logits, axis=-1, keepdims=True).astype(x.dtype)  # uses every logit
+        return jax.lax.fori_loop(0, steps, step, x_NxD)
+
+    x = jax.random.normal(jax.random.key(0), (rows, D), dt)
+    layer_matmuls = sum(int(np.prod(lp[k].shape)) for lp in layers for k in names)
+    flops = 2.0 * rows * steps * (layer_matmuls + D * cfg.vocab_size)
+    return (lambda: program(layers, params, x)), flops
+
+
 def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 64, prompt_len: int = 32,
                   new_tokens: int = 128, repeats: int = 3, latency: bool = True, seed: int = 0,
                   hf_threads: int | None = None) -> list[dict]:
@@ -79,15 +114,21 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
             model.save_hf(tmp, cfg, params)
             for b in ([batch, 1] if latency and batch != 1 else [batch]):
                 prompts = rng.integers(1, cfg.vocab_size, (b, prompt_len))
+                floor_fn, floor_flops = decode_matmuls_fn(cfg, params, b, new_tokens)
                 fns = {"sage_jax": _sage_generate_fn(cfg, params, prompts, new_tokens),
-                       "transformers": _hf_generate_fn(tmp, dtype, prompts, new_tokens, hf_threads)}
+                       "transformers": _hf_generate_fn(tmp, dtype, prompts, new_tokens, hf_threads),
+                       MATMULS_ONLY: floor_fn}
                 compiled_before = sampler.compile_count()
                 seconds = {k: statistics.median(t) for k, t in interleaved_seconds(fns, repeats).items()}
+                peak = floor_flops / seconds[MATMULS_ONLY]
+                flops = bench_train.decode_flops(cfg, b, 1, prompt_len, new_tokens)
                 for impl, s in seconds.items():
+                    f = floor_flops if impl == MATMULS_ONLY else flops
                     rows.append(dict(preset=name, dtype=dtype, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
                                      impl=impl, seconds=s, tokens_per_s=b * new_tokens / s,
-                                     ms_per_step=1e3 * s / new_tokens))
-                rows[-2]["programs_compiled"] = sampler.compile_count() - compiled_before
+                                     ms_per_step=1e3 * s / new_tokens, model_gflops=f / 1e9,
+                                     gflops_per_s=f / s / 1e9, frac_of_peak=f / s / peak))
+                rows[-3]["programs_compiled"] = sampler.compile_count() - compiled_before
     _print_sampler_table(rows)
     print(f"sampler programs compiled in this run: {sampler.compile_count()}; 1-min load average "
           f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)")
@@ -95,16 +136,19 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
 
 
 def _print_sampler_table(rows: list[dict]) -> None:
-    print(f"\n{'preset':8} {'dtype':5} {'batch':>5} {'impl':13} {'tok/s':>10} {'ms/step':>9} {'s/run':>8}")
-    for r in rows:
-        print(f"{r['preset']:8} {r['dtype']:5} {r['batch']:>5} {r['impl']:13} {r['tokens_per_s']:>10.1f} "
-              f"{r['ms_per_step']:>9.2f} {r['seconds']:>8.3f}")
-    print("\nratio sage_jax / transformers tokens/s:")
+    print()
+    bench_train.print_table(rows, [("preset", ""), ("dtype", ""), ("batch", "d"), ("impl", ""), ("tokens_per_s", ".1f"),
+                                   ("ms_per_step", ".2f"), ("seconds", ".3f"), ("gflops_per_s", ".1f"),
+                                   ("frac_of_peak", ".2f")])
+    print(f"(model FLOPs as sage_jax computes them; peak = the '{MATMULS_ONLY}' row: the same weights' matmuls and "
+          "nothing else, timed in the same loop)")
+    print("\nratio sage_jax / transformers tokens/s (and the matmuls-only ceiling / transformers):")
     by_key: dict[tuple, dict[str, float]] = {}
     for r in rows:
         by_key.setdefault((r["preset"], r["dtype"], r["batch"]), {})[r["impl"]] = r["tokens_per_s"]
     for (preset, dtype, batch), v in by_key.items():
-        print(f"  {preset:8} {dtype:5} batch {batch:>3}: {v['sage_jax'] / v['transformers']:.2f}x")
+        print(f"  {preset:8} {dtype:5} batch {batch:>3}: {v['sage_jax'] / v['transformers']:.2f}x "
+              f"(ceiling {v[MATMULS_ONLY] / v['transformers']:.2f}x)")
 
 
 @register("sampler")

@@ -110,6 +110,20 @@ def train_flops(cfg: model.ModelConfig, rows: int, prompt_len: int, completion_l
     return 3.0 * rows * (T * (2 * layer_params + attention) + completion_len * 2 * D * V)
 
 
+def decode_flops(cfg: model.ModelConfig, prompts: int, samples: int, prompt_len: int, new_tokens: int) -> float:
+    """Model FLOPs of sampler.generate as XLA runs it: the prefill of each prompt once at its bucket length (2 x
+    matmul params per token, attention over the bucket, the unembedding at the last position), then new_tokens - 1
+    decode steps for all prompts x samples rows (the first token comes from the prefill), each 2 x matmul params plus
+    the unembedding per row and attention over every slot of the cache (prompt bucket + new-token bucket)."""
+    P, C = sampler.prompt_bucket(prompt_len), sampler.new_tokens_bucket(new_tokens)
+    D, V = cfg.hidden_size, cfg.vocab_size
+    layer_params = cfg.num_params - V * D * (1 if cfg.tie_embeddings else 2) - D
+    attention_per_slot = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+    prefill = prompts * (P * (2 * layer_params + attention_per_slot * P) + 2 * D * V)
+    rows = prompts * samples
+    return prefill + (new_tokens - 1) * rows * (2 * layer_params + 2 * D * V + attention_per_slot * (P + C))
+
+
 def random_loss_batch(cfg: model.ModelConfig, rows: int, prompt_len: int, completion_len: int, seed: int = 0,
                       rl_step: int = 0) -> dict[str, np.ndarray]:
     """A loss batch (objectives.loss_fn layout) of random full-length rows."""

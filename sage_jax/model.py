@@ -177,7 +177,11 @@ def _cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, allowed_BxTxS) -> jax.Arr
     B, T, N, H = q_BxTxNxH.shape
     K = k_BxKxSxH.shape[1]
     q = q_BxTxNxH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).reshape(B, K, (N // K) * T, H)
-    scores = jnp.einsum("bkqh,bksh->bkqs", q, k_BxKxSxH, preferred_element_type=jnp.float32) / math.sqrt(H)
+    if T == 1:  # decoding: a multiply-sum reads the cache once; a matmul with N/K-row operands first repacks it
+        f32 = jnp.float32
+        scores = jnp.sum(q[:, :, :, None].astype(f32) * k_BxKxSxH[:, :, None].astype(f32), axis=-1) / math.sqrt(H)
+    else:
+        scores = jnp.einsum("bkqh,bksh->bkqs", q, k_BxKxSxH, preferred_element_type=jnp.float32) / math.sqrt(H)
     allowed = jnp.tile(allowed_BxTxS, (1, N // K, 1))[:, None]  # rows ordered (g, t) like q
     scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxH.dtype)

@@ -205,7 +205,31 @@ def test_bench_sampler_smoke():
     from sage_jax import bench
     rows = bench.bench_sampler(presets=("tiny",), dtype="fp32", batch=4, prompt_len=8, new_tokens=8, repeats=1,
                                latency=False)
-    assert rows and all(r["tokens_per_s"] > 0 for r in rows)
+    assert [r["impl"] for r in rows] == ["sage_jax", "transformers", bench.MATMULS_ONLY]
+    assert all(r["tokens_per_s"] > 0 and r["gflops_per_s"] > 0 for r in rows)
+    assert rows[-1]["frac_of_peak"] == pytest.approx(1.0)  # the matmuls-only row is the peak
+    assert rows[0]["frac_of_peak"] == pytest.approx(rows[0]["gflops_per_s"] / rows[-1]["gflops_per_s"])
+
+
+def test_decode_matmuls_flops_match_xla_count(params):
+    """The matmuls-only ceiling counts exactly the matmuls XLA runs (one decode step: XLA counts a loop body once)."""
+    from sage_jax import bench
+    fn, flops = bench.decode_matmuls_fn(CFG, params, rows=3, steps=1)
+    cost = jax.jit(fn).lower().cost_analysis()  # before optimisation: compiling would fold the constant weights
+    xla = (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+    assert 0.9 < flops / xla <= 1.0  # XLA also counts the norms and element-wise work
+
+
+def test_decode_flops_counts_prefill_once_per_prompt():
+    from sage_jax import bench_train
+    cfg = model.preset("tiny")
+    D, V = cfg.hidden_size, cfg.vocab_size
+    prefill = bench_train.decode_flops(cfg, prompts=2, samples=8, prompt_len=16, new_tokens=1)
+    assert prefill == bench_train.decode_flops(cfg, prompts=2, samples=1, prompt_len=16, new_tokens=1)
+    per_step = bench_train.decode_flops(cfg, 2, 8, 16, 3) - bench_train.decode_flops(cfg, 2, 8, 16, 2)
+    layer_params = cfg.num_params - V * D - D  # tied embeddings
+    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * (16 + 32)  # prompt bucket + new-token bucket
+    assert per_step == 16 * (2 * layer_params + 2 * D * V + attention)
 
 
 @pytest.mark.parametrize("prompts, kw, match", [
