@@ -400,15 +400,28 @@ def bench_rl_step(preset: str = "tiny", dtype: str = "fp32", prompts: int = 8, g
     params = jax.jit(model.init_params, static_argnums=0)(cfg, jax.random.key(seed))
     prompts_BxP = np.random.default_rng(seed).integers(2, cfg.vocab_size, (prompts, prompt_len))
     ours = _sage_rl_runner(cfg, params, prompts_BxP, group, new_tokens, beta, seed)
+    peak_fn, peak_flops = matmul_peak_fn(dtype)
     sage_rows: list[dict[str, float]] = []
+    peak_s: list[float] = []
+
+    def after_trl_step() -> None:  # our step, then the matmul peak under the same load
+        sage_rows.append(ours())
+        start = time.perf_counter()
+        jax.block_until_ready(peak_fn())
+        peak_s.append(time.perf_counter() - start)
+
     if trl:
         with tempfile.TemporaryDirectory() as model_dir:
             model.save_hf(model_dir, preset_config(preset, "fp32"), params)
             trl_rows = _trl_interleaved(model_dir, cfg.vocab_size, prompts_BxP, group, new_tokens, beta,
-                                        repeats + 1, lambda: sage_rows.append(ours()), seed)
+                                        repeats + 1, after_trl_step, seed)
     else:
-        trl_rows, sage_rows = [], [ours() for _ in range(repeats + 1)]
+        trl_rows = []
+        for _ in range(repeats + 1):
+            after_trl_step()
     tokens = prompts * group * new_tokens
+    peak = peak_flops / statistics.median(peak_s[1:] or peak_s)
+    flops = rl_step_flops(cfg, prompts, group, prompt_len, new_tokens)
     out = []
     for impl, runs in (("sage_jax", sage_rows), ("trl", trl_rows)):
         if not runs:
@@ -416,14 +429,29 @@ def bench_rl_step(preset: str = "tiny", dtype: str = "fp32", prompts: int = 8, g
         runs = runs[1:] or runs  # drop the warm-up step (compilation, first-call set-up)
         row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         out.append(dict(preset=preset, dtype=dtype if impl == "sage_jax" else "fp32", impl=impl, prompts=prompts,
-                        group=group, new_tokens=new_tokens, tokens_per_s=tokens / row["seconds"], **row))
+                        group=group, new_tokens=new_tokens, tokens_per_s=tokens / row["seconds"],
+                        model_gflops=flops / 1e9, gflops_per_s=flops / row["seconds"] / 1e9,
+                        peak_gflops_per_s=peak / 1e9, frac_of_peak=flops / row["seconds"] / peak,
+                        at_peak_s=flops / peak, **row))
     if len(out) == 2:
         out[0]["vs_trl"] = out[0]["tokens_per_s"] / out[1]["tokens_per_s"]
+        out[1]["ceiling_vs_trl"] = out[1]["seconds"] / out[1]["at_peak_s"]
     print_table(out, [("preset", ""), ("dtype", ""), ("impl", ""), ("prompts", "d"), ("group", "d"),
                       ("new_tokens", "d"), ("seconds", ".2f"), ("tokens_per_s", ".1f"), ("vs_trl", ".2f"),
                       ("generate_s", ".2f"), ("reward_s", ".3f"), ("ref_s", ".2f"), ("reward_ref_s", ".2f"),
-                      ("update_s", ".2f")])
+                      ("update_s", ".2f"), ("gflops_per_s", ".1f"), ("peak_gflops_per_s", ".1f"),
+                      ("frac_of_peak", ".2f"), ("at_peak_s", ".2f"), ("ceiling_vs_trl", ".2f")])
+    print(f"at_peak_s: the step's model FLOPs ({flops / 1e9:.0f} GFLOP: sampling, reference forward, policy forward + "
+          "backward) at the jitted matmul peak timed after each step; ceiling_vs_trl: TRL's step over that, the most "
+          "any implementation at this machine's matmul peak could reach against it")
     return out
+
+
+def rl_step_flops(cfg: model.ModelConfig, prompts: int, group: int, prompt_len: int, new_tokens: int) -> float:
+    """Model FLOPs of one RL step as bench_rl_step runs it: generate (decode_flops), the reference forward (a third
+    of train_flops) and the policy update (train_flops), on prompts x group rows of bucketed prompt + new tokens."""
+    rows, P = prompts * group, sampler.prompt_bucket(prompt_len)
+    return decode_flops(cfg, prompts, group, prompt_len, new_tokens) + (4 / 3) * train_flops(cfg, rows, P, new_tokens)
 
 
 @register("rl_step")

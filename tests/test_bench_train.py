@@ -50,6 +50,9 @@ def test_rl_step_ours():
     assert row["impl"] == "sage_jax" and _finite_positive(rows, "tokens_per_s")
     parts = row["generate_s"] + row["reward_s"] + row["ref_s"] + row["update_s"]
     assert parts == pytest.approx(row["seconds"], rel=1e-6)
+    assert row["model_gflops"] * 1e9 == bench_train.rl_step_flops(model.preset("tiny"), 1, 2, 16, 8)
+    assert row["at_peak_s"] == pytest.approx(row["model_gflops"] / row["peak_gflops_per_s"])
+    assert row["frac_of_peak"] == pytest.approx(row["at_peak_s"] / row["seconds"])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None or not os.environ.get("SAGE_BENCH_TRL"),
