@@ -77,6 +77,26 @@ def test_scan_loop_and_remat_agree(params):
         np.testing.assert_allclose(model.forward(cfg, params, tokens, mask_BxT=mask), ref, atol=1e-5)
 
 
+def test_layer_checkpointing_keeps_the_gradients(params):
+    """hidden() checkpoints each layer (remat or not); its gradients equal plain autodiff through the same layers."""
+    tokens, mask = _batch(CFG)
+    positions = model.default_positions(mask)
+    T = tokens.shape[1]
+    allowed = (jnp.tril(jnp.ones((T, T), bool))[None] & mask.astype(bool)[:, None, :]) | jnp.eye(T, dtype=bool)[None]
+
+    def plain(p):  # no jax.checkpoint anywhere: autodiff keeps every intermediate
+        x = model._embed(CFG, p, tokens)
+        for i in range(CFG.num_layers):
+            x = model._block(CFG, jax.tree.map(lambda a: a[i], p["layers"]), x, positions, allowed)[0]
+        return jnp.sum(jnp.sin(model.rms_norm(x, p["final_norm"], CFG.rms_norm_eps)))
+
+    ref = jax.grad(plain)(params)
+    for cfg in (CFG, CFG.replace(remat=True), CFG.replace(scan_layers=False)):
+        got = jax.grad(lambda p: jnp.sum(jnp.sin(model.hidden(cfg, p, tokens, mask_BxT=mask))))(params)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+            np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)  # float re-association only
+
+
 def test_left_padding_does_not_change_real_logits(params):
     tokens, _ = _batch(CFG, B=1, T=8)
     padded = jnp.concatenate([jnp.zeros((1, 5), jnp.int32), tokens], axis=1)
