@@ -1,6 +1,6 @@
 """The CPU-scale SAGE comparison on countdown: one SFT base, RL with every arm and seed, evaluation, RESULTS.md.
 
-    python -m sage_jax.experiments.reproduce --out docs/results --quick       # 9.6 min measured on 2 quiet CPU cores
+    python -m sage_jax.experiments.reproduce --out docs/results --quick       # 8.2 min measured on 2 quiet CPU cores
     python -m sage_jax.experiments.reproduce --out docs/results               # 10 arms x 3 seeds, ~2-3 h
     python -m sage_jax.experiments.reproduce --out DIR --sweep                # + Branch gamma x tau grid
 
