@@ -246,7 +246,7 @@ def hidden(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, positions_Bx
     # The backward recomputes what a layer does not keep: with remat, everything but the layer's input (least
     # memory); without, only the element-wise work, as the matmul outputs are kept. Keeping every intermediate
     # instead (plain autodiff) stores and re-reads several [B, T, F] residuals per layer: 1.2x slower on CPU
-    # (docs/PERFORMANCE.md) and never less memory.
+    # (docs/PERFORMANCE.md), and it keeps more.
     layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.nothing_saveable if cfg.remat
                            else jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
     if cfg.scan_layers:
