@@ -105,9 +105,17 @@ def train_flops(cfg: model.ModelConfig, rows: int, prompt_len: int, completion_l
     positions only (the loss needs nothing else). Embedding lookups and norms are not matmuls and are left out."""
     T = prompt_len + completion_len
     D, V = cfg.hidden_size, cfg.vocab_size
-    layer_params = cfg.num_params - V * D * (1 if cfg.tie_embeddings else 2) - D
-    attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * T
-    return 3.0 * rows * (T * (2 * layer_params + attention) + completion_len * 2 * D * V)
+    return 3.0 * rows * (T * (2 * _layer_params(cfg) + _attention_per_key(cfg) * T) + completion_len * 2 * D * V)
+
+
+def _layer_params(cfg: model.ModelConfig) -> int:
+    """Parameters of the decoder layers (all but the embedding, unembedding and final norm)."""
+    return cfg.num_params - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2) - cfg.hidden_size
+
+
+def _attention_per_key(cfg: model.ModelConfig) -> int:
+    """FLOPs per query position per attended key over all layers: scores and mixing, 2 x 2 x heads x head_dim."""
+    return 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
 
 
 def decode_flops(cfg: model.ModelConfig, prompts: int, samples: int, prompt_len: int, new_tokens: int) -> float:
@@ -117,8 +125,7 @@ def decode_flops(cfg: model.ModelConfig, prompts: int, samples: int, prompt_len:
     the unembedding per row and attention over every slot of the cache (prompt bucket + new-token bucket)."""
     P, C = sampler.prompt_bucket(prompt_len), sampler.new_tokens_bucket(new_tokens)
     D, V = cfg.hidden_size, cfg.vocab_size
-    layer_params = cfg.num_params - V * D * (1 if cfg.tie_embeddings else 2) - D
-    attention_per_slot = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+    layer_params, attention_per_slot = _layer_params(cfg), _attention_per_key(cfg)
     prefill = prompts * (P * (2 * layer_params + attention_per_slot * P) + 2 * D * V)
     rows = prompts * samples
     return prefill + (new_tokens - 1) * rows * (2 * layer_params + 2 * D * V + attention_per_slot * (P + C))

@@ -1,8 +1,7 @@
 """Qwen2 / Llama decoder as pure functions over a params pytree.
 
-Layers are stacked along a leading axis. Training forwards scan over them (one compiled layer, rematerialised:
-see `hidden`);
-the KV-cache path loops in Python so each layer's cache is updated in place. Dtype policy: params in
+Layers are stacked along a leading axis. Training forwards scan over them (one compiled layer, checkpointed: see
+`hidden`); the KV-cache path loops in Python so each layer's cache is updated in place. Dtype policy: params in
 `param_dtype`, matmuls in `compute_dtype`, norms / softmax / logits in fp32.
 """
 
@@ -180,9 +179,10 @@ def _cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, allowed_BxTxS) -> jax.Arr
     q = q_BxTxNxH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).reshape(B, K, (N // K) * T, H)
     if T == 1:  # decoding: a multiply-sum reads the cache once; a matmul with N/K-row operands first repacks it
         f32 = jnp.float32
-        scores = jnp.sum(q[:, :, :, None].astype(f32) * k_BxKxSxH[:, :, None].astype(f32), axis=-1) / math.sqrt(H)
+        scores = jnp.sum(q[:, :, :, None].astype(f32) * k_BxKxSxH[:, :, None].astype(f32), axis=-1)
     else:
-        scores = jnp.einsum("bkqh,bksh->bkqs", q, k_BxKxSxH, preferred_element_type=jnp.float32) / math.sqrt(H)
+        scores = jnp.einsum("bkqh,bksh->bkqs", q, k_BxKxSxH, preferred_element_type=jnp.float32)
+    scores = scores / math.sqrt(H)
     allowed = jnp.tile(allowed_BxTxS, (1, N // K, 1))[:, None]  # rows ordered (g, t) like q
     scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxH.dtype)
