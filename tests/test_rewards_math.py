@@ -154,6 +154,18 @@ def test_pathological_answers_are_fast_and_false():
         assert time.monotonic() - start < 3.0, completion[:40]
 
 
+def test_last_boxed_is_linear_in_unclosed_boxes():
+    # a model stuck in a loop: the extraction must not rescan the rest of the text once per \boxed{
+    for completion in ("\\boxed{" * 20000, "\\boxed{1} " + "\\boxed{" * 20000, "\\boxed " * 20000):
+        start = time.monotonic()
+        mr.extract_answer(completion)
+        assert time.monotonic() - start < 0.5
+    assert mr.extract_answer("\\boxed{1} " + "\\boxed{" * 20000) == "1"
+    start = time.monotonic()
+    assert mr.verify("\\boxed{" * 20000, "7") is False
+    assert time.monotonic() - start < 3.0
+
+
 def test_verify_with_timeout_from_a_thread(tmp_path):
     target = tmp_path / "pwned"
     out = {}

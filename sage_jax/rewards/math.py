@@ -75,15 +75,38 @@ def _braced(text: str, start: int) -> tuple[str, int] | None:
     return None
 
 
+def _closing_braces(text: str) -> dict[int, int]:
+    """Index of each balanced '{' -> index of its '}', in one pass (\\{ and \\} are literal, as in _braced)."""
+    partner, open_stack = {}, []
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if ch == "{":
+            open_stack.append(i)
+        elif ch == "}" and open_stack:
+            partner[open_stack.pop()] = i
+        i += 1
+    return partner
+
+
+_BARE_TOKEN_RE = re.compile(r"[^\s$]+")
+
+
 def _last_boxed(text: str) -> str | None:
+    # One pass over the text: a model stuck in a loop writes thousands of unclosed \boxed{, and scanning to the
+    # end once per candidate would be quadratic in them.
+    partner = None
     for match in reversed(list(_BOX_RE.finditer(text))):
         end = match.end()
         if end < len(text) and text[end] == "{":
-            group = _braced(text, end)
-            if group is not None:
-                return group[0]
+            partner = _closing_braces(text) if partner is None else partner
+            if end in partner:
+                return text[end + 1:partner[end]]
         else:
-            token = re.match(r"[^\s$]+", text[end:])  # "\boxed 5"
+            token = _BARE_TOKEN_RE.match(text, end)  # "\boxed 5"
             if token:
                 return token.group(0)
     return None
