@@ -124,15 +124,21 @@ def filter_logits(logits_BxV: jax.Array, top_k: int = 0, top_p: float | jax.Arra
 
 
 def _inverse_cdf(logits_BxV: jax.Array, uniform_B: jax.Array) -> jax.Array:
-    """Token j with cdf[j-1] <= u * total < cdf[j]: one uniform per row instead of a Gumbel per vocab entry
-    (3x cheaper on CPU). Removed (-inf) entries have zero width and are never picked."""
+    """The first token with probability > 0 whose cdf exceeds u * total: one uniform per row instead of a Gumbel
+    per vocab entry (3x cheaper on CPU).
+
+    A float32 cumsum over a large vocabulary is not monotone on every backend, so a removed (-inf) entry's cdf can
+    sit above its predecessor's; restricting the pick to kept entries makes a removed token impossible.
+    """
     probs_BxV = jnp.exp(logits_BxV - jnp.max(logits_BxV, axis=-1, keepdims=True))
+    kept_BxV = probs_BxV > 0
     cdf_BxV = jnp.cumsum(probs_BxV, axis=-1)
     x_B = uniform_B * cdf_BxV[:, -1]
-    token_B = jnp.sum(cdf_BxV <= x_B[:, None], axis=-1)
-    # u * total can round up to total; fall back to the last token that has probability.
-    last_B = logits_BxV.shape[-1] - 1 - jnp.argmax(jnp.flip(probs_BxV > 0, axis=-1), axis=-1)
-    return jnp.minimum(token_B, last_B).astype(jnp.int32)
+    index_BxV = jax.lax.broadcasted_iota(jnp.int32, logits_BxV.shape, 1)
+    first_B = jnp.min(jnp.where(kept_BxV & (cdf_BxV > x_B[:, None]), index_BxV, logits_BxV.shape[-1]), axis=-1)
+    # u * total can round up to total (no hit): fall back to the last token that has probability.
+    last_B = jnp.max(jnp.where(kept_BxV, index_BxV, -1), axis=-1)
+    return jnp.minimum(first_B, last_B)
 
 
 def sample_tokens(logits_BxV: jax.Array, key: jax.Array, rows_B: jax.Array, *, greedy: bool,

@@ -123,6 +123,26 @@ def test_rows_and_steps_use_distinct_keys():
     assert a[0] != a[1] and (a != b).any()
 
 
+def test_inverse_cdf_never_picks_a_removed_token():
+    # A float32 cumsum over a Qwen-sized vocabulary is not monotone on XLA:CPU, so removed entries can get a small
+    # non-zero cdf step; uniforms aimed at exactly those steps must still land on kept tokens.
+    V = 152064
+    logits = 4.0 * jax.random.normal(jax.random.key(0), (8, V))
+    filtered = np.asarray(jax.jit(lambda x: sampler.filter_logits(x, min_p=0.01))(logits))
+    cdf = np.asarray(jax.jit(lambda x: jnp.cumsum(jnp.exp(x - x.max(-1, keepdims=True)), -1))(filtered))
+    removed = ~np.isfinite(filtered)
+    rows, cols = np.nonzero(removed[:, 1:] & (np.diff(cdf, axis=-1) > 0))
+    cols = cols + 1
+    assert len(rows) > 0  # the uneven steps this test aims at exist
+    aimed = (0.5 * (cdf[rows, cols - 1] + cdf[rows, cols]) / cdf[rows, -1]).astype(np.float32)
+    random_rows = np.repeat(np.arange(8), 64)
+    uniform = np.concatenate([aimed, np.random.default_rng(0).uniform(size=len(random_rows)).astype(np.float32),
+                              np.ones(8, np.float32)])  # u = 1 rounds u * total up to total
+    all_rows = np.concatenate([rows, random_rows, np.arange(8)])
+    picks = np.asarray(jax.jit(sampler._inverse_cdf)(jnp.asarray(filtered[all_rows]), jnp.asarray(uniform)))
+    assert not removed[all_rows, picks].any()
+
+
 def test_filters_on_crafted_distribution():
     probs = np.array([0.4, 0.3, 0.15, 0.1, 0.05])
     logits = jnp.log(jnp.asarray(probs))[None]
