@@ -20,7 +20,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "k3+", "forward", "none")
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 ADV_SCALES = ("group", "batch", "none")
 ADV_ESTIMATORS = ("grpo", "rloo")
-LOG_RATIO_CLIP = 20.0  # exp(20) ~ 5e8: keeps exp-based estimators finite for tokens the policy nearly excludes
+LOG_RATIO_CLIP = 20.0  # exp(20) ~ 5e8: above it exp(d) continues linearly, so tokens the policy nearly excludes stay finite
 
 sg = jax.lax.stop_gradient
 
@@ -87,26 +87,30 @@ def kl_term(logp: jax.Array, ref_logp: jax.Array, log_q: jax.Array | None = None
       k3+      value of k3, gradient of k2 (straight-through)
       forward  sg(w) * d - sg(w) + 1        value and gradient both of the pseudo-KL(m||pi), importance weighted
       none     0
-    Masked-out entries are exactly 0 and carry no gradient.
+    Above d = LOG_RATIO_CLIP, exp(d) continues along its tangent. Masked-out entries are exactly 0 and carry no
+    gradient.
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator={estimator!r} is unknown; choose one of {KL_ESTIMATORS}.")
     log_m = ref_logp if log_q is None else ref_logp + sg(log_q)
     valid = jnp.ones(logp.shape, bool) if mask is None else mask > 0
     d = jnp.where(valid, sg(log_m) - logp, 0.0)
-    d_exp = jnp.clip(d, -LOG_RATIO_CLIP, LOG_RATIO_CLIP)
+    # Only exp(d) can overflow, and only for large d: cap it there by its tangent (value and gradient stay finite
+    # and keep their sign). Large negative d needs no cap: exp(d) -> 0 and the k3 gradient -> 1 pulls pi back to m.
+    d_low = jnp.minimum(d, LOG_RATIO_CLIP)
+    exp_d = jnp.exp(d_low) * (1.0 + (d - d_low))
     if estimator == "k1":
         value = -d
     elif estimator == "k2":
         value = 0.5 * jnp.square(d)
     elif estimator == "k3":
-        value = jnp.exp(d_exp) - d_exp - 1.0
+        value = exp_d - d - 1.0
     elif estimator == "k3+":
         k2 = 0.5 * jnp.square(d)
-        value = sg(jnp.exp(d_exp) - d_exp - 1.0) + (k2 - sg(k2))
+        value = sg(exp_d - d - 1.0) + (k2 - sg(k2))
     elif estimator == "forward":
-        w = sg(jnp.exp(d_exp))
-        value = w * d_exp - w + 1.0
+        w = sg(jnp.exp(d_low))
+        value = w * d - w + 1.0
     else:
         value = jnp.zeros_like(d)
     return jnp.where(valid, value, 0.0)

@@ -87,6 +87,21 @@ def test_kl_term_masked_entries_are_zero_and_finite():
         obj.kl_term(logp, ref, None, "k4")
 
 
+def test_kl_term_keeps_its_pull_where_the_policy_is_far_from_the_anchor():
+    # d = log m - log pi = -30: the policy sits far above the anchor; k3's gradient 1 - e^d ~ 1 must pull it back.
+    # d = +30: far below; the exponent is capped there, but the gradient must keep pulling log pi up.
+    logp = jnp.array([-0.01, -31.0])
+    ref = jnp.array([-30.01, -1.0])
+    d = np.asarray(ref - logp, np.float64)
+    grad = lambda est: np.asarray(jax.grad(lambda lp: obj.kl_term(lp, ref, None, est).sum())(logp))
+    np.testing.assert_allclose(grad("k3")[0], 1.0 - np.exp(d[0]), rtol=1e-6)
+    np.testing.assert_allclose(grad("forward")[0], -np.exp(d[0]), rtol=1e-4)
+    for est in ("k3", "forward"):
+        assert grad(est)[1] == pytest.approx(-np.exp(obj.LOG_RATIO_CLIP), rel=1e-3), est
+        assert np.isfinite(np.asarray(kl_term(logp, ref, None, est))).all()
+    np.testing.assert_allclose(kl_term(logp, ref, None, "k3")[0], np.exp(d[0]) - d[0] - 1.0, rtol=1e-6)
+
+
 def test_kl_reward_penalty():
     logp = jnp.array([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
     ref = jnp.array([[-1.5, -1.0, 0.0], [0.0, 0.0, 0.0]])
