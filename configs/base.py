@@ -2,7 +2,8 @@
 
 Defaults follow the SAGE reference implementation (IMPLEMENTATION_FACTS.md): beta 0.05, k3 anchor with log q on the
 reference, lr 5e-6 constant, weight decay 0.01, clip 0.2, 8 rollouts per prompt, temperature 1.0, min_p 0.01,
-GRPO aggregation (token mean within a sequence, then mean over sequences), 1000 steps.
+GRPO aggregation (token mean within a sequence, then mean over sequences), group advantages divided by the group's
+std with ddof 1 plus 1e-4 (its trainer's torch.std and epsilon), 1000 steps.
 """
 
 import ml_collections
@@ -42,8 +43,9 @@ def get_config(arg=None):
         token_alpha=0.3, token_alpha_end=0.1, token_sigma=0.25, token_sigma_end=0.1, token_norm="minmax",
         token_quantiles=(0.05, 0.95), schedule_cycles=8, schedule_decay=0.9,
         eps_low=0.2, eps_high=0.2, dual_clip=0.0, tis_cap=0.0,
-        aggregation="seq-mean-token-mean", mask_truncated=False,
-        adv_scale="group", adv_eps=1e-6, std_ddof=0, adv_estimator="grpo"))
+        # norm_len: Dr.GRPO's constant divisor for seq-mean-token-sum-norm; 0 = rollout.max_new_tokens
+        aggregation="seq-mean-token-mean", norm_len=0, mask_truncated=False,
+        adv_scale="group", adv_eps=1e-4, std_ddof=1, adv_estimator="grpo"))
 
     c.optim = ml_collections.ConfigDict(dict(
         lr=5e-6, schedule="constant", warmup_steps=0, weight_decay=0.01, grad_clip=1.0, b1=0.9, b2=0.999,

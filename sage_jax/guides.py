@@ -77,7 +77,8 @@ def _read(cfg: Any, key: str) -> Any:
 
 def cosine_cycle_schedule(start: float, end: float, step: jax.Array | int, total_steps: int, cycles: int = 8,
                           decay: float = 0.9) -> jax.Array:
-    """Cosine from start to end in each of `cycles` equal cycles; cycle c restarts at end + (start-end)*decay**c.
+    """Cosine from the cycle's upper bound down to end in each of `cycles` equal cycles; cycle c starts at
+    start * decay**c (the reference trainer shrinks the upper bound, not only the gap above the floor).
 
     Reaches `end` at the close of every cycle and stays there from step >= total_steps on.
     """
@@ -85,7 +86,7 @@ def cosine_cycle_schedule(start: float, end: float, step: jax.Array | int, total
     cycle_len = total_steps / cycles
     cycle = jnp.clip(jnp.floor(step / cycle_len), 0, cycles - 1)
     phase = jnp.clip((step - cycle * cycle_len) / cycle_len, 0.0, 1.0)
-    amplitude = (start - end) * jnp.power(decay, cycle)
+    amplitude = start * jnp.power(decay, cycle) - end
     return (end + amplitude * 0.5 * (1.0 + jnp.cos(math.pi * phase))).astype(jnp.float32)
 
 

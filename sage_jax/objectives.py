@@ -182,7 +182,7 @@ class LossConfig:
     dual_clip: float = 0.0
     tis_cap: float = 0.0
     aggregation: str = "seq-mean-token-mean"
-    norm_len: int = 0
+    norm_len: int = 0  # Dr.GRPO's constant divisor (trainer.loss_config: rollout.max_new_tokens); 0 = the width C
     mask_truncated: bool = False
     temperature: float = 1.0
     adv_scale: str = "group"

@@ -229,7 +229,8 @@ def _rl_step_data(task, cfg, params, config, rl_step, pool, loss_cfg):
         parts.append(ro)
         if not tr.dynamic_sampling:
             break
-        kept += int((~np.asarray(objectives.zero_variance_groups(ro["rewards"], G))).sum())
+        # DAPO filters on accuracy: a group whose rollouts differ only in the overlong penalty is still dropped
+        kept += int((~np.asarray(objectives.zero_variance_groups(ro["correct"], G))).sum())
         if kept >= B:
             break
     ro = rollouts.concat_rollouts(parts, cfg.pad_token_id)
@@ -237,7 +238,8 @@ def _rl_step_data(task, cfg, params, config, rl_step, pool, loss_cfg):
     stats = {"rl/zero_var_groups": float(zero_var[:B].mean()) if not tr.dynamic_sampling else float(zero_var.mean())}
     if tr.dynamic_sampling:
         # informative groups first; degenerate ones only fill up what resampling could not
-        order = np.concatenate([np.flatnonzero(~zero_var), np.flatnonzero(zero_var)])[:B]
+        same_accuracy = np.asarray(objectives.zero_variance_groups(ro["correct"], G))
+        order = np.concatenate([np.flatnonzero(~same_accuracy), np.flatnonzero(same_accuracy)])[:B]
         ro = rollouts.take_rows(ro, (order[:, None] * G + np.arange(G)).reshape(-1))
         stats["rl/resample_rounds"] = float(len(parts) - 1)
     return ro, stats
@@ -359,7 +361,8 @@ def loss_config(config) -> objectives.LossConfig:
     import dataclasses
     loss_cfg = objectives.LossConfig.from_config(config.loss, total_steps=config.train.steps)
     temperature = config.rollout.temperature
-    return dataclasses.replace(loss_cfg, temperature=float(temperature) if temperature > 0 else 1.0)
+    return dataclasses.replace(loss_cfg, temperature=float(temperature) if temperature > 0 else 1.0,
+                               norm_len=loss_cfg.norm_len or int(config.rollout.max_new_tokens))
 
 
 def _mini_batches(dev, n_mb: int, group_size: int, rl_step: int):

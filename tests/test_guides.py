@@ -23,10 +23,13 @@ def test_schedule_start_end_and_cycle_boundaries():
     steps = np.array([0, 50, 99.999, 100, 700, total, 10 * total] + list(range(100, 200)), np.float32)
     values = np.asarray(guides.cosine_cycle_schedule(start, end, steps, total, cycles, decay))
     expected = [start, (start + end) / 2,  # start, half way through cycle 0
-                end, end + (start - end) * decay,  # each cycle ends at `end` and restarts decayed
-                end + (start - end) * decay ** 7, end, end]
+                end, start * decay,  # each cycle ends at `end` and restarts from a decayed upper bound
+                start * decay ** 7, end, end]
     np.testing.assert_allclose(values[:7], expected, atol=1e-6)
     assert np.all(np.diff(values[7:]) <= 0)  # monotone within a cycle
+    # the Token guide's alpha (0.3 -> 0.1, 1000 steps) at step 500, the start of cycle 4: 0.3 * 0.9**4
+    alpha = guides.cosine_cycle_schedule(0.3, 0.1, 500, 1000, 8, 0.9)
+    assert float(alpha) == pytest.approx(0.19683, abs=1e-5)
 
 
 def test_schedule_traced_step_under_jit():

@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 
 import jax
@@ -44,6 +45,15 @@ def test_zero_variance_groups_never_nan():
             assert np.array_equal(adv[:8], np.zeros(8)) and np.array_equal(adv[12:], np.zeros(4))
     single = obj.group_advantages(jnp.array([1.0, 0.0]), 1, ddof=1)
     assert np.array_equal(np.asarray(single), [0.0, 0.0])
+
+
+def test_paper_configs_normalise_advantages_like_the_reference_trainer():
+    from sage_jax import config as config_lib, trainer
+    loss_cfg = trainer.loss_config(config_lib.load("configs/qwen7b_grpo.py", []))
+    r = jnp.array([1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+    adv = obj.group_advantages(r, 8, scale=loss_cfg.adv_scale, eps=loss_cfg.adv_eps, ddof=loss_cfg.std_ddof)
+    r = np.asarray(r)
+    np.testing.assert_allclose(adv, (r - r.mean()) / (r.std(ddof=1) + 1e-4), rtol=1e-6)  # torch.std, eps 1e-4
 
 
 def test_group_advantages_bad_shapes():
@@ -280,6 +290,20 @@ def _plain_grpo(logp, batch, beta, eps):
     d = np.asarray(batch["ref_logp"] - logp)
     per_token = pg + beta * (np.exp(d) - d - 1)
     return np.mean((per_token * mask).sum(-1) / np.maximum(mask.sum(-1), 1))
+
+
+def test_dr_grpo_normaliser_is_the_configured_length_not_the_bucket():
+    from sage_jax import config as config_lib, trainer
+    config = config_lib.load("configs/tiny_test.py", ["--config.loss.aggregation=seq-mean-token-sum-norm",
+                                                      "--config.rollout.max_new_tokens=16"])
+    loss_cfg = dataclasses.replace(trainer.loss_config(config), beta=0.0, guide=guides.GuideConfig())
+    assert loss_cfg.norm_len == 16
+    logp, entropy, batch = _random_batch(jax.random.PRNGKey(3), c=4)
+    pad = lambda x, width: jnp.pad(x, ((0, 0), (0, width - x.shape[1])))
+    wide = {k: (pad(v, 8) if k != "advantages" and v.ndim == 2 else v) for k, v in batch.items()}
+    # the same completions trimmed to a 4- or an 8-wide bucket: one loss
+    assert float(loss_from_logprobs(logp, entropy, batch, loss_cfg)[0]) == pytest.approx(
+        float(loss_from_logprobs(pad(logp, 8), pad(entropy, 8), wide, loss_cfg)[0]), rel=1e-6)
 
 
 def test_q_one_gives_plain_grpo_loss():

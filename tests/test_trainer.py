@@ -73,6 +73,39 @@ def test_grad_accumulation_matches_full_batch():
         np.testing.assert_allclose(a, b, atol=5e-5)
 
 
+def test_dynamic_sampling_filters_groups_on_accuracy_not_on_shaped_rewards(monkeypatch):
+    # attempt 0: group 0 is all correct but one rollout runs into the overlong buffer (its rewards differ only by
+    # the penalty), group 1 is mixed; attempt 1: two mixed groups. DAPO keeps groups whose accuracy varies.
+    config = _tiny(**{"rollout.prompts_per_step": 2, "rollout.group_size": 2, "rollout.max_new_tokens": 10,
+                      "train.dynamic_sampling": True, "train.max_resample": 1, "train.overlong_buffer": 4})
+    attempts = {0: (["1", "1", "1", "0"], [2, 9, 3, 3]), 1: (["1", "0", "0", "1"], [3, 3, 3, 3])}
+
+    def fake_rollout(task, cfg, params, examples, ro_cfg, key, max_prompt_len):
+        texts, lengths = attempts[len(calls)]
+        calls.append(examples)
+        n = len(texts)
+        return {"prompt_tokens": np.ones((n, 2), np.int32), "prompt_mask": np.ones((n, 2), bool),
+                "tokens": np.ones((n, 10), np.int32), "lengths": np.array(lengths), "finished": np.ones(n, bool),
+                "sampler_logp": np.zeros((n, 10), np.float32), "texts": list(texts), "golds": ["1"] * n,
+                "prompts": ["p"] * n}
+
+    class Pool:
+        def score(self, texts, golds):
+            return np.array([float(t == g) for t, g in zip(texts, golds)], np.float32)
+
+    class Task:
+        def train_batch(self, index, size, seed):
+            return [index] * size
+
+    calls = []
+    monkeypatch.setattr(trainer.rollouts, "rollout", fake_rollout)
+    loss_cfg = trainer.loss_config(config)
+    cfg = trainer.model_config(config, vocab_size=23)
+    ro, stats = trainer._rl_step_data(Task(), cfg, None, config, 0, Pool(), loss_cfg)
+    assert len(calls) == 2 and stats["rl/resample_rounds"] == 1.0
+    assert ro["texts"] == ["1", "0", "1", "0"]  # attempt 0's mixed group, then attempt 1's first one
+
+
 def _run(workdir, *overrides, check=True, timeout=600):
     cmd = [sys.executable, "-m", "sage_jax.train", "--config", "configs/tiny_test.py", "--workdir", str(workdir),
            *overrides]
