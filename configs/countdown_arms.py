@@ -17,8 +17,11 @@ import ml_collections
 
 from configs import base
 
+# DAPO's clip-higher, token-mean and dynamic sampling (no overlong shaping: completions are 24 tokens at most)
 DAPO = {"loss.eps_high": 0.28, "loss.aggregation": "token-mean", "train.dynamic_sampling": True}
 BRANCH = {"loss.guide": "branch"}
+# TRL's loss_type="bnpo" (token-mean over the batch), as the authors ran it; not the BNPO paper's Beta-normalised
+# advantages
 BNPO = {"loss.aggregation": "token-mean"}
 
 # Each arm's difference from GRPO (k3 reverse-KL anchor to pi_ref, no guide, seq-mean-token-mean).

@@ -56,6 +56,14 @@ def test_paper_configs_normalise_advantages_like_the_reference_trainer():
     np.testing.assert_allclose(adv, (r - r.mean()) / (r.std(ddof=1) + 1e-4), rtol=1e-6)  # torch.std, eps 1e-4
 
 
+def test_arm_configs_say_what_each_arm_is():
+    import importlib
+    bnpo, dapo = (importlib.import_module(f"configs.qwen7b_{name}").__doc__ for name in ("bnpo", "dapo"))
+    assert 'loss_type="bnpo"' in bnpo and "not the BNPO paper's Beta-normalised advantages" in bnpo
+    for part in ("clip-higher", "dynamic sampling", "overlong", "only\nthe loss type"):
+        assert part in dapo, part
+
+
 def test_group_advantages_bad_shapes():
     with pytest.raises(ValueError, match="groups of 3"):
         obj.group_advantages(jnp.zeros(8), 3)
