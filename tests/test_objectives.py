@@ -58,7 +58,8 @@ def test_paper_configs_normalise_advantages_like_the_reference_trainer():
 
 def test_arm_configs_say_what_each_arm_is():
     import importlib
-    bnpo, dapo = (importlib.import_module(f"configs.qwen7b_{name}").__doc__ for name in ("bnpo", "dapo"))
+    bnpo, dapo = (" ".join(importlib.import_module(f"configs.qwen7b_{name}").__doc__.split())
+                  for name in ("bnpo", "dapo"))
     assert 'loss_type="bnpo"' in bnpo and "not the BNPO paper's Beta-normalised advantages" in bnpo
     for part in ("clip-higher", "dynamic sampling", "overlong", "only\nthe loss type"):
         assert part in dapo, part
