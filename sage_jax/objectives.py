@@ -156,13 +156,20 @@ def policy_surrogate(logp_NxC: jax.Array, old_logp_NxC: jax.Array, adv_N: jax.Ar
     return pg_NxC, stats
 
 
-def aggregate(loss_NxC: jax.Array, mask_NxC: jax.Array, mode: str, norm_len: int = 0) -> jax.Array:
-    """seq-mean-token-mean (GRPO), token-mean (DAPO / BNPO), seq-mean-token-sum-norm (Dr.GRPO: / norm_len or C)."""
+def aggregate(loss_NxC: jax.Array, mask_NxC: jax.Array, mode: str, norm_len: int = 0,
+              tokens_per_row_N: jax.Array | None = None) -> jax.Array:
+    """seq-mean-token-mean (GRPO), token-mean (DAPO / BNPO), seq-mean-token-sum-norm (Dr.GRPO: / norm_len or C).
+
+    token-mean divides by these rows' token count, or by tokens_per_row_N.sum() when given (a micro-batch's share
+    of the whole batch's count, see with_batch_normaliser).
+    """
     mask_NxC = mask_NxC.astype(loss_NxC.dtype)
     summed_N = (loss_NxC * mask_NxC).sum(-1)
     if mode == "seq-mean-token-mean":
         return (summed_N / jnp.maximum(mask_NxC.sum(-1), 1.0)).mean()
     if mode == "token-mean":
+        if tokens_per_row_N is not None:
+            return summed_N.sum() / tokens_per_row_N.sum()
         return summed_N.sum() / jnp.maximum(mask_NxC.sum(), 1.0)
     if mode == "seq-mean-token-sum-norm":
         return (summed_N / (norm_len or loss_NxC.shape[-1])).mean()
@@ -220,13 +227,29 @@ class LossConfig:
         return cls(guide=guides.GuideConfig.from_config(loss_cfg, total_steps), **values)
 
 
+def loss_mask(batch: Mapping[str, jax.Array], loss_cfg: LossConfig) -> jax.Array:
+    """float [N, C]: the completion tokens the loss counts (truncated rows dropped under mask_truncated)."""
+    mask_NxC = batch["completion_mask"].astype(jnp.float32)
+    if loss_cfg.mask_truncated and "truncated" in batch:
+        mask_NxC = mask_NxC * (1.0 - batch["truncated"].astype(jnp.float32))[:, None]
+    return mask_NxC
+
+
+def with_batch_normaliser(batch: Mapping[str, jax.Array], loss_cfg: LossConfig) -> dict[str, jax.Array]:
+    """The batch plus `tokens_per_row` [N] (its token count / N) for token-mean, so that micro-batches split from it
+    divide by the whole batch's token count rather than each by its own."""
+    if loss_cfg.aggregation != "token-mean":
+        return dict(batch)
+    mask_NxC = loss_mask(batch, loss_cfg)
+    n = mask_NxC.shape[0]
+    return {**batch, "tokens_per_row": jnp.full((n,), jnp.maximum(mask_NxC.sum(), 1.0) / n, jnp.float32)}
+
+
 def loss_from_logprobs(logp_NxC: jax.Array, entropy_NxC: jax.Array, batch: Mapping[str, jax.Array],
                        loss_cfg: LossConfig, step: jax.Array | int = 0, key: jax.Array | None = None
                        ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The loss given the policy's completion logprobs/entropies (everything in loss_fn after the model)."""
-    mask_NxC = batch["completion_mask"].astype(jnp.float32)
-    if loss_cfg.mask_truncated and "truncated" in batch:
-        mask_NxC = mask_NxC * (1.0 - batch["truncated"].astype(jnp.float32))[:, None]
+    mask_NxC = loss_mask(batch, loss_cfg)
     adv_N = batch["advantages"].astype(jnp.float32)
     old_logp_NxC = batch["old_logp"] if batch.get("old_logp") is not None else sg(logp_NxC)
     ref_logp_NxC = batch["ref_logp"]
@@ -239,7 +262,8 @@ def loss_from_logprobs(logp_NxC: jax.Array, entropy_NxC: jax.Array, batch: Mappi
         kl_NxC = loss_cfg.beta * kl_term(logp_NxC, ref_logp_NxC, log_q_NxC, loss_cfg.kl_estimator, mask_NxC)
     else:
         kl_NxC = jnp.zeros_like(pg_NxC)
-    agg = lambda x_NxC: aggregate(x_NxC, mask_NxC, loss_cfg.aggregation, loss_cfg.norm_len)
+    agg = lambda x_NxC: aggregate(x_NxC, mask_NxC, loss_cfg.aggregation, loss_cfg.norm_len,
+                                  batch.get("tokens_per_row"))
     loss = agg(pg_NxC + kl_NxC)
 
     count = jnp.maximum(mask_NxC.sum(), 1.0)

@@ -113,7 +113,8 @@ def make_train_step(cfg, loss_cfg: objectives.LossConfig, tx, schedule, seed: in
     """jitted train_step(state, batch) -> (state, metrics); state is donated.
 
     batch holds [N, ...] arrays (see objectives.loss_fn) and a scalar `rl_step` that keys the guides' randomness
-    and schedules. With grad_accum > 1 the rows are split into micro-batches whose gradients are averaged.
+    and schedules. With grad_accum > 1 the rows are split into micro-batches whose gradients are averaged; token-mean
+    losses keep the whole batch's token count as their normaliser.
     """
     loss_fn = loss_fn or objectives.loss_fn
 
@@ -123,7 +124,10 @@ def make_train_step(cfg, loss_cfg: objectives.LossConfig, tx, schedule, seed: in
     def train_step(state, batch):
         rl_step = batch["rl_step"]
         arrays = {k: v for k, v in batch.items() if k != "rl_step"}
-        key = jax.random.fold_in(jax.random.key(seed), rl_step)
+        if loss_cfg is not None:
+            arrays = objectives.with_batch_normaliser(arrays, loss_cfg)
+        # state["step"] counts updates, so every mini-batch and iteration of an RL step draws its own guide noise
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), rl_step), state["step"])
         if grad_accum == 1:
             (_, metrics), grads = grads_of(state["params"], arrays, rl_step, key)
         else:
@@ -131,12 +135,13 @@ def make_train_step(cfg, loss_cfg: objectives.LossConfig, tx, schedule, seed: in
             micro = jax.tree.map(lambda a: a.reshape(a.shape[0] // grad_accum, grad_accum, *a.shape[1:]).swapaxes(0, 1),
                                  arrays)
 
-            def body(acc, mb):
-                (_, m), g = grads_of(state["params"], mb, rl_step, key)
+            def body(acc, mb_index):
+                mb, index = mb_index
+                (_, m), g = grads_of(state["params"], mb, rl_step, jax.random.fold_in(key, index))
                 return jax.tree.map(jnp.add, acc, (g, m)), None
             (_, m0), g0 = jax.eval_shape(grads_of, state["params"], jax.tree.map(lambda a: a[0], micro), rl_step, key)
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (g0, m0))
-            (grads, metrics), _ = jax.lax.scan(body, zeros, micro)
+            (grads, metrics), _ = jax.lax.scan(body, zeros, (micro, jnp.arange(grad_accum)))
             grads, metrics = jax.tree.map(lambda x: x / grad_accum, (grads, metrics))
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)

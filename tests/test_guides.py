@@ -182,3 +182,33 @@ def test_guide_config_from_config_dict():
         guides.GuideConfig(name="entropy")
     with pytest.raises(ValueError, match="q_min"):
         guides.GuideConfig(q_min=1.2)
+
+
+# --------------------------------------------------------------------------------------------------- noise keys
+
+def test_guide_noise_is_fresh_for_every_micro_batch_mini_batch_and_iteration():
+    import optax
+    from sage_jax import trainer
+    guide = guides.GuideConfig(name="random", random_eps=1.0, random_eps_end=1.0, random_std=0.1,
+                               random_std_end=0.1)
+
+    def loss_fn(params, batch, cfg, loss_cfg, step, key):  # d loss / d w[row] = that row's q
+        w_NxC = params["w"][batch["row"]]
+        q_NxC = guides.compute_q("random", w_NxC, w_NxC, jnp.ones_like(w_NxC), key, guide, step)
+        return jnp.sum(w_NxC * q_NxC), {}
+
+    n, c, accum = 8, 3, 4
+    step = trainer.make_train_step(None, None, optax.sgd(1.0), lambda s: 1.0, seed=0, grad_accum=accum,
+                                   loss_fn=loss_fn)
+    batch = {"row": jnp.arange(n), "rl_step": jnp.int32(5)}
+    state = {"step": jnp.int32(0), "params": {"w": jnp.zeros((n, c))}, "opt_state": optax.sgd(1.0).init(None)}
+    q_per_update = []
+    for _ in range(2):  # two updates within one RL step: two mini-batches, or two iterations over one
+        before = np.asarray(state["params"]["w"])
+        state, _ = step(state, batch)
+        q_per_update.append((before - np.asarray(state["params"]["w"])) * accum)
+    q = q_per_update[0]
+    assert np.all(q != 1.0)  # every token perturbed
+    # micro-batch m holds rows m, m + accum: rows 0..accum-1 sit at the same place in different micro-batches
+    assert len({tuple(q[m]) for m in range(accum)}) == accum
+    assert not np.allclose(q_per_update[0], q_per_update[1])

@@ -315,6 +315,29 @@ def test_dr_grpo_normaliser_is_the_configured_length_not_the_bucket():
         float(loss_from_logprobs(pad(logp, 8), pad(entropy, 8), wide, loss_cfg)[0]), rel=1e-6)
 
 
+@pytest.mark.parametrize("aggregation", obj.AGGREGATIONS)
+def test_grad_accumulation_equals_full_batch_with_unequal_lengths(aggregation):
+    import optax
+    from sage_jax import trainer
+    logp, entropy, batch = _random_batch(jax.random.PRNGKey(4), n=8, c=6)
+    batch["completion_mask"] = (jnp.arange(6)[None] < jnp.array([6, 1, 5, 2, 6, 1, 3, 1])[:, None]).astype(jnp.float32)
+    batch["row"] = jnp.arange(8)
+    loss_cfg = obj.LossConfig(kl_estimator="k3", beta=0.1, aggregation=aggregation)
+
+    def loss_fn(params, mb, cfg, loss_cfg, step, key):
+        return obj.loss_from_logprobs(params["logp"][mb["row"]], entropy[mb["row"]], mb, loss_cfg, step, key)
+
+    grads = []
+    for accum in (1, 2, 4):
+        step = trainer.make_train_step(None, loss_cfg, optax.sgd(1.0), lambda s: 1.0, seed=0, grad_accum=accum,
+                                       loss_fn=loss_fn)
+        state = {"step": jnp.int32(0), "params": {"logp": jnp.copy(logp)}, "opt_state": optax.sgd(1.0).init(None)}
+        new_state, _ = step(state, {**batch, "rl_step": jnp.int32(0)})
+        grads.append(np.asarray(logp - new_state["params"]["logp"]))
+    for g in grads[1:]:
+        np.testing.assert_allclose(g, grads[0], rtol=1e-5, atol=1e-7)
+
+
 def test_q_one_gives_plain_grpo_loss():
     logp, entropy, batch = _random_batch(jax.random.PRNGKey(0))
     base = obj.LossConfig(kl_estimator="k3", beta=0.05)
