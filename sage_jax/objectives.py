@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from sage_jax import guides
 from sage_jax import model as model_lib
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "k3+", "forward", "none")
+KL_ESTIMATORS = ("k1", "k2", "k3", "k3+", "forward", "none")  # per token (kl_term)
+SEQUENCE_ESTIMATORS = ("forward-seq",)  # over whole completions, per group (forward_kl_coefficients)
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 ADV_SCALES = ("group", "batch", "none")
 ADV_ESTIMATORS = ("grpo", "rloo")
@@ -126,6 +127,33 @@ def kl_reward_penalty(logp_NxC: jax.Array, ref_logp_NxC: jax.Array, log_q_NxC: j
     return -beta * k1_NxC.sum(-1)
 
 
+def forward_kl_coefficients(old_logp_NxC: jax.Array, ref_logp_NxC: jax.Array, log_q_NxC: jax.Array | None,
+                            mask_NxC: jax.Array, group_size: int) -> jax.Array:
+    """c_i = G * w_i / sum_j w_j - 1 over each group of G completions y_i ~ pi_old, w_i = m(y_i) / pi_old(y_i).
+
+    m(y) = prod_t q_t pi_ref(y_t | y_<t). With these sequence weights, -mean_i c_i grad log pi(y_i) estimates the
+    gradient of the forward KL(m~ || pi) over completions, m~ = m normalised (self-normalised importance sampling,
+    biased by O(1/G); the -1 is a zero-mean control variate). No gradient.
+    """
+    _check_groups(old_logp_NxC.shape[0], group_size)
+    log_m_NxC = ref_logp_NxC if log_q_NxC is None else ref_logp_NxC + log_q_NxC
+    log_w_N = jnp.where(mask_NxC > 0, log_m_NxC - old_logp_NxC, 0.0).sum(-1).astype(jnp.float32)
+    w_hat_BxG = jax.nn.softmax(log_w_N.reshape(-1, group_size), axis=-1)
+    return sg(group_size * w_hat_BxG - 1.0).reshape(-1)
+
+
+def sequence_forward_kl(logp_NxC: jax.Array, coef_N: jax.Array, mask_NxC: jax.Array) -> jax.Array:
+    """Per-token term whose gradient is -c_i grad log pi(y_i,t) (see forward_kl_coefficients).
+
+    Its value is each row's share (c+1) log(c+1) of the group's estimate sum_i w^_i log(G w^_i) of KL(m~ || pi),
+    the same on every token of the row, so seq-mean-token-mean logs the per-group estimate.
+    """
+    coef_Nx1 = sg(coef_N.astype(jnp.float32))[:, None]
+    share_Nx1 = (coef_Nx1 + 1.0) * jnp.log(jnp.maximum(coef_Nx1 + 1.0, 1e-30))
+    value_NxC = share_Nx1 - coef_Nx1 * (logp_NxC - sg(logp_NxC))
+    return jnp.where(mask_NxC > 0, value_NxC, 0.0)
+
+
 # --------------------------------------------------------------------------------------------------- surrogate
 
 def policy_surrogate(logp_NxC: jax.Array, old_logp_NxC: jax.Array, adv_N: jax.Array, mask_NxC: jax.Array, *,
@@ -199,8 +227,11 @@ class LossConfig:
     guide: guides.GuideConfig = guides.GuideConfig()
 
     def __post_init__(self):
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"loss.kl_estimator={self.kl_estimator!r} is unknown; choose one of {KL_ESTIMATORS}.")
+        if self.kl_estimator not in KL_ESTIMATORS + SEQUENCE_ESTIMATORS:
+            raise ValueError(f"loss.kl_estimator={self.kl_estimator!r} is unknown; choose one of "
+                             f"{KL_ESTIMATORS + SEQUENCE_ESTIMATORS}.")
+        if self.kl_in_reward and self.kl_estimator in SEQUENCE_ESTIMATORS:
+            raise ValueError(f"loss.kl_estimator={self.kl_estimator!r} is a loss term: set loss.kl_in_reward=False.")
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"loss.aggregation={self.aggregation!r} is unknown; choose one of {AGGREGATIONS}.")
         if self.adv_scale not in ADV_SCALES:
@@ -258,7 +289,12 @@ def loss_from_logprobs(logp_NxC: jax.Array, entropy_NxC: jax.Array, batch: Mappi
     pg_NxC, pg_stats = policy_surrogate(
         logp_NxC, old_logp_NxC, adv_N, mask_NxC, eps_low=loss_cfg.eps_low, eps_high=loss_cfg.eps_high,
         dual_clip=loss_cfg.dual_clip, sampler_logp_NxC=batch.get("sampler_logp"), tis_cap=loss_cfg.tis_cap)
-    if loss_cfg.kl_in_loss:
+    if loss_cfg.kl_in_loss and loss_cfg.kl_estimator in SEQUENCE_ESTIMATORS:
+        if batch.get("seq_kl_coef") is None:
+            raise ValueError(f"loss.kl_estimator={loss_cfg.kl_estimator!r} needs batch['seq_kl_coef'] "
+                             "(objectives.forward_kl_coefficients over each group; trainer.run_rl adds it).")
+        kl_NxC = loss_cfg.beta * sequence_forward_kl(logp_NxC, batch["seq_kl_coef"], mask_NxC)
+    elif loss_cfg.kl_in_loss:
         kl_NxC = loss_cfg.beta * kl_term(logp_NxC, ref_logp_NxC, log_q_NxC, loss_cfg.kl_estimator, mask_NxC)
     else:
         kl_NxC = jnp.zeros_like(pg_NxC)

@@ -235,6 +235,81 @@ def test_bandit_token_independent_q_cancels_for_k2_but_scales_k3():
                                1.3 * grad(logits, "k3", jnp.zeros(V), zero_r, 1.0), atol=1e-6)
 
 
+# --------------------------------------------------------------------------------------------------- two-step tree
+# Completions y = (a, b): a in {0, 1}, then b in {0, 1} given a. The policy's probabilities are multiples of 1/8, so
+# one group of 8 rows holding each leaf as often as pi samples it makes every estimator's batch value its exact
+# expectation under pi (the whole outcome space, enumerated with its weights).
+
+TREE_LEAVES = np.array([[0, 0], [0, 1], [0, 1], [0, 1], [1, 0], [1, 0], [1, 1], [1, 1]])  # pi: 1/8, 3/8, 2/8, 2/8
+TREE_PI = (jnp.log(jnp.array([0.5, 0.5])), jnp.log(jnp.array([[0.25, 0.75], [0.5, 0.5]])))
+TREE_REF = (jnp.log(jnp.array([0.6, 0.4])), jnp.log(jnp.array([[0.25, 0.75], [0.95, 0.05]])))
+# Branch with tau 0.6 lifts q where pi's entropy exceeds 0.6 nats: at step 1 and after a = 1, not after a = 0
+TREE_GUIDE = guides.GuideConfig(name="branch", gamma=1.0, tau=0.6)
+
+
+def _tree_rows(z):
+    """(logp [8, 2], entropy [8, 2]) of the leaves under logits z = (z1 [2], z2 [2, 2])."""
+    lp1, lp2 = jax.nn.log_softmax(z[0]), jax.nn.log_softmax(z[1], -1)
+    a, b = TREE_LEAVES[:, 0], TREE_LEAVES[:, 1]
+    entropy = lambda lp: -jnp.sum(jnp.exp(lp) * lp, -1)
+    logp = jnp.stack([lp1[a], lp2[a, b]], -1)
+    return logp, sg(jnp.stack([jnp.broadcast_to(entropy(lp1), (8,)), entropy(lp2)[a]], -1))
+
+
+def _tree_grad(estimator, kl_in_reward=False):
+    ref_logp = _tree_rows(TREE_REF)[0]
+    loss_cfg = obj.LossConfig(kl_estimator=estimator, beta=1.0, kl_in_reward=kl_in_reward, adv_scale="none",
+                              guide=TREE_GUIDE)
+
+    def loss(z):
+        logp, entropy = _tree_rows(z)
+        mask = jnp.ones((8, 2))
+        log_q = guides.compute_log_q("branch", logp, entropy, mask, None, TREE_GUIDE)
+        batch = {"completion_mask": mask, "old_logp": sg(logp), "ref_logp": ref_logp, "advantages": jnp.zeros(8),
+                 "seq_kl_coef": obj.forward_kl_coefficients(sg(logp), ref_logp, log_q, mask, 8)}
+        if kl_in_reward:
+            penalty = obj.kl_reward_penalty(logp, ref_logp, log_q, mask, 1.0)
+            batch["advantages"] = obj.group_advantages(penalty, 8, scale="none")
+        return obj.loss_from_logprobs(logp, entropy, batch, loss_cfg)[0]
+    return jax.grad(loss)(TREE_PI)
+
+
+def _relative_gap(grads, exact):
+    flat = lambda g: np.concatenate([np.ravel(x) for x in g])
+    return np.linalg.norm(flat(grads) - flat(exact)) / np.linalg.norm(flat(exact))
+
+
+def _tree_anchor():
+    """log m(y) over the 4 leaves (q from pi's entropies, fixed) and log pi(y) as a function of z."""
+    logp, entropy = _tree_rows(TREE_PI)
+    log_q = guides.compute_log_q("branch", logp, entropy, jnp.ones((8, 2)), None, TREE_GUIDE)
+    log_m = (_tree_rows(TREE_REF)[0] + log_q).sum(-1)[np.array([0, 1, 4, 6])]
+    log_pi = lambda z: _tree_rows(z)[0].sum(-1)[np.array([0, 1, 4, 6])]
+    return log_m, log_pi
+
+
+def test_two_step_tree_forward_seq_is_the_forward_kl_over_completions_and_k3_is_not():
+    log_m, log_pi = _tree_anchor()
+    m_tilde = jax.nn.softmax(log_m)
+    # KL(m~ || pi) over the 4 completions, / 2 tokens (the GRPO aggregation's per-token mean)
+    exact = jax.grad(lambda z: jnp.sum(m_tilde * (jnp.log(m_tilde) - log_pi(z))) / 2)(TREE_PI)
+    got, k3 = _tree_grad("forward-seq"), _tree_grad("k3")
+    for g, e in zip(got, exact):
+        np.testing.assert_allclose(g, e, atol=1e-6)
+    # per token, k3 and the importance-weighted forward term weigh prefixes by pi, not by m~: another gradient
+    assert _relative_gap(k3, exact) > 0.2 and _relative_gap(_tree_grad("forward"), exact) > 0.2
+
+
+def test_two_step_tree_k1_in_reward_is_the_reverse_kl_over_completions_and_k2_is_not():
+    log_m, log_pi = _tree_anchor()
+    # pseudo-KL(pi || m) = sum_y pi log(pi / m) - pi + m over the 4 completions, / 2 tokens
+    exact = jax.grad(lambda z: jnp.sum(jnp.exp(log_pi(z)) * (log_pi(z) - log_m) - jnp.exp(log_pi(z))) / 2)(TREE_PI)
+    got, k2 = _tree_grad("k1", kl_in_reward=True), _tree_grad("k2")
+    for g, e in zip(got, exact):
+        np.testing.assert_allclose(g, e, atol=1e-6)
+    assert _relative_gap(k2, exact) > 0.2  # per position only: blind to how step 1 changes the KL that follows it
+
+
 # --------------------------------------------------------------------------------------------------- surrogate
 
 def test_clipping_hand_numbers():
