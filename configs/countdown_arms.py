@@ -28,7 +28,7 @@ BNPO = {"loss.aggregation": "token-mean"}
 ARMS: dict[str, dict[str, Any]] = {
     "grpo": {},
     "grpo_nokl": {"loss.kl_estimator": "none", "loss.beta": 0.0},
-    "fkl": {"loss.kl_estimator": "forward"},
+    "fkl": {"loss.kl_estimator": "forward-seq"},
     "grpo_random": {"loss.guide": "random"},
     "grpo_token": {"loss.guide": "token"},
     "grpo_branch": BRANCH,

@@ -1,8 +1,13 @@
 """RL objective: group advantages, KL estimators against the SAGE anchor m = q * pi_ref, clipped surrogate, loss_fn.
 
 Per token t of a sampled completion: loss_t = pg_t + beta * kl_t(logp_t; log m_t), log m_t = ref_logp_t + log q_t,
-then aggregated over tokens and sequences. Which kl_t has which stationary policy is worked out in the README
-("Which KL estimator") and checked in tests/test_objectives.py.
+then aggregated over tokens and sequences. Which kl_t has which stationary policy and which expected gradient over
+whole completions is worked out in the README ("Which KL estimator") and checked in tests/test_objectives.py.
+
+The per-token estimators (kl_term) all weigh prefixes by pi, so none of them is a forward KL over completions; the
+"forward-seq" anchor is: it weighs each group's completions by m(y) / pi_old(y), self-normalised within the group
+(forward_kl_coefficients, computed by the trainer before the batch is split), rather than drawing extra samples from
+pi_ref, so it needs no second sampler pass and no reference-model decoding.
 """
 
 from __future__ import annotations

@@ -201,14 +201,17 @@ def abstract_batch(config, shapes: Shapes, rows: int, mesh) -> dict[str, Any]:
     """The loss batch trainer.run_rl puts on the mesh (rows over data x fsdp)."""
     import jax
     import jax.numpy as jnp
-    from sage_jax import sharding
+    from sage_jax import objectives, sharding
     T, C = shapes.seq_len, shapes.completion_len
     specs = {"tokens": ((rows, T), jnp.int32), "mask": ((rows, T), jnp.int32),
              "completion_mask": ((rows, C), jnp.float32), "advantages": ((rows,), jnp.float32),
              "sampler_logp": ((rows, C), jnp.float32), "truncated": ((rows,), jnp.bool_),
              "ref_logp": ((rows, C), jnp.float32)}
-    if config.optim.num_iterations * config.optim.mini_batches > 1 or config.loss.kl_in_reward:
+    sequence_kl = config.loss.kl_estimator in objectives.SEQUENCE_ESTIMATORS
+    if config.optim.num_iterations * config.optim.mini_batches > 1 or config.loss.kl_in_reward or sequence_kl:
         specs["old_logp"] = ((rows, C), jnp.float32)
+    if sequence_kl:
+        specs["seq_kl_coef"] = ((rows,), jnp.float32)
     batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.data_sharding(mesh, len(shape)))
              for k, (shape, dtype) in specs.items()}
     batch["rl_step"] = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(mesh))

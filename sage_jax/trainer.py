@@ -309,11 +309,16 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
                 dev = {k: sharding.global_batch(v[mine], mesh) for k, v in batch.items()}
                 no_grad = dict(prompt_len=P, temperature=loss_cfg.temperature, rows_per_pass=tr.logprob_rows)
                 dev["ref_logp"], _ = sequence_logprobs(ref_cfg, ref_params, dev["tokens"], dev["mask"], **no_grad)
-                if updates_per_step > 1 or loss_cfg.kl_in_reward:
+                sequence_kl = loss_cfg.kl_in_loss and loss_cfg.kl_estimator in objectives.SEQUENCE_ESTIMATORS
+                if updates_per_step > 1 or loss_cfg.kl_in_reward or sequence_kl:
                     dev["old_logp"], old_ent = sequence_logprobs(cfg, state["params"], dev["tokens"], dev["mask"],
                                                                  **no_grad)
                 if loss_cfg.kl_in_reward:
                     dev["advantages"] = _advantages_with_kl_penalty(ro, dev, old_ent, loss_cfg, rl_step, config)
+                if sequence_kl:  # whole groups are needed here, before mini-batches and micro-batches split them
+                    dev["seq_kl_coef"] = objectives.forward_kl_coefficients(
+                        dev["old_logp"], dev["ref_logp"], _old_log_q(dev, old_ent, loss_cfg, rl_step, config),
+                        dev["completion_mask"], ro_cfg.group_size)
                 dev["rl_step"] = np.int32(rl_step)
                 t1 = time.perf_counter()
                 for _ in range(optim.num_iterations):
@@ -384,12 +389,18 @@ def _mini_batches(dev, n_mb: int, group_size: int, rl_step: int):
         yield {k: (v if v.ndim == 0 else v[rows]) for k, v in dev.items()}
 
 
+def _old_log_q(dev, entropy, loss_cfg, rl_step, config):
+    """The guide's log q from the pre-update policy (for terms computed once per RL step, outside the loss)."""
+    from sage_jax import guides
+    key = jax.random.fold_in(jax.random.key(config.seed + 1), rl_step)
+    return guides.compute_log_q(loss_cfg.guide.name, dev["old_logp"], entropy, dev["completion_mask"], key,
+                                loss_cfg.guide, rl_step)
+
+
 def _advantages_with_kl_penalty(ro, dev, entropy, loss_cfg, rl_step, config):
     """KL as a k1 penalty in the reward: r - beta * sum_t (logp - ref_logp - log q), then group-normalised."""
-    from sage_jax import guides
     mask = dev["completion_mask"]
-    key = jax.random.fold_in(jax.random.key(config.seed + 1), rl_step)
-    log_q = guides.compute_log_q(loss_cfg.guide.name, dev["old_logp"], entropy, mask, key, loss_cfg.guide, rl_step)
+    log_q = _old_log_q(dev, entropy, loss_cfg, rl_step, config)
     penalty = objectives.kl_reward_penalty(dev["old_logp"], dev["ref_logp"], log_q, mask, loss_cfg.beta)
     rewards = jnp.asarray(ro["rewards"]) + penalty
     return objectives.group_advantages(rewards, config.rollout.group_size, scale=loss_cfg.adv_scale,

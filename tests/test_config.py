@@ -4,7 +4,7 @@ from sage_jax import config as config_lib
 
 ALL_CONFIGS = ["cpu_demo", "tiny_test", "qwen7b_branch", "qwen7b_grpo", "qwen7b_nokl", "qwen7b_fkl", "qwen7b_random",
                "qwen7b_token", "qwen7b_dapo", "qwen7b_dapo_branch", "qwen7b_bnpo", "qwen7b_bnpo_branch",
-               "r1distill7b_branch", "qwen1p5b_branch", "qwen3b_branch"]
+               "r1distill7b_branch", "qwen1p5b_branch", "qwen3b_branch", "qwen7b_grpo_rkl"]
 
 
 @pytest.mark.parametrize("name", ALL_CONFIGS)

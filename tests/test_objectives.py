@@ -65,6 +65,15 @@ def test_arm_configs_say_what_each_arm_is():
         assert part in dapo, part
 
 
+def test_kl_arms_differ_from_grpo_only_in_their_anchor():
+    from sage_jax import config as config_lib, trainer
+    arm = lambda name: dataclasses.asdict(trainer.loss_config(config_lib.load(f"configs/qwen7b_{name}.py", [])))
+    grpo = arm("grpo")
+    changed = lambda name: {k: v for k, v in arm(name).items() if grpo[k] != v}
+    assert changed("fkl") == {"kl_estimator": "forward-seq"}
+    assert changed("grpo_rkl") == {"kl_estimator": "k1", "kl_in_reward": True}
+
+
 def test_group_advantages_bad_shapes():
     with pytest.raises(ValueError, match="groups of 3"):
         obj.group_advantages(jnp.zeros(8), 3)
