@@ -26,7 +26,7 @@ SEQUENCE_ESTIMATORS = ("forward-seq",)  # over whole completions, per group (for
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 ADV_SCALES = ("group", "batch", "none")
 ADV_ESTIMATORS = ("grpo", "rloo")
-LOG_RATIO_CLIP = 20.0  # exp(20) ~ 5e8: above it exp(d) continues linearly, so tokens the policy nearly excludes stay finite
+LOG_RATIO_CLIP = 20.0  # exp(20) ~ 5e8: above it exp(d) goes on linearly (finite for tokens pi nearly excludes)
 
 sg = jax.lax.stop_gradient
 
