@@ -59,18 +59,17 @@ def estimate(full, base_record, records, n_arms: int) -> dict[str, float]:
 
 
 def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, sweep_seeds: int, command: str,
-         base_record: Mapping[str, Any], records, sweep_records, wall: float, cpu: float, loads, arms_mod
+         base_record: Mapping[str, Any], records, sweep_records, wall: float, cpu: float, loads, arms_mod, full
          ) -> dict[str, Any]:
-    from sage_jax import trainer
-    from sage_jax.experiments.reproduce import load_config
+    """The report's metadata; `full` is the full-budget GRPO config, for the time estimate of a full run."""
+    from sage_jax import train_state
     from sage_jax.rewards import countdown
     n = int(config.eval.n)
     problems = {s: len(base_record["eval"][s]) for s in SPLITS}
-    full = load_config("grpo", "full")
     est = estimate(full, base_record, records, len(arms_mod.ARMS))
     cores = os.cpu_count() or 1
     m = config.model
-    num_params = trainer.model_config(config, vocab_size=countdown.CountdownTokenizer().vocab_size).num_params
+    num_params = train_state.model_config(config, vocab_size=countdown.CountdownTokenizer().vocab_size).num_params
     description = (
         "RL from one shared SFT base on countdown (reach a target with + - * / using each given number once; "
         "verifiable, several distinct solutions per problem). The base's SFT demonstrations spread unevenly over "
@@ -144,7 +143,7 @@ def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, swee
         "kept (mixed-outcome) groups, so it reads higher than the other arms' and is not comparable with them.",
         "- BNPO here is its token-mean loss aggregation (no beta-normalised advantages).",
         "- The trainer draws countdown problems from config.seed; until config.data has its own seed, every run "
-        "here reuses the base's problem sets (see reproduce.shared_task), so seeds change RL randomness only."])
+        "here reuses the base's problem sets (see reproduce.run_experiment), so seeds change RL randomness only."])
     made_by = list(dict.fromkeys(r.get("command") for r in [base_record, *all_runs] if r.get("command")))
     commands = ["# the runs in this report were made by:", *made_by] + (
         ["# and this report rendered by:", command] if made_by != [command] else []) + [
