@@ -219,3 +219,20 @@ def export_hf(workdir: str | os.PathLike, cfg: Any, params: Any) -> str:
     out = os.path.join(os.fspath(workdir), "hf_export")
     model.save_hf(out, cfg, params)
     return out
+
+
+def restore_params(workdir: str | os.PathLike, step: int, abstract_params: Any, dtype: Any) -> Any:
+    """Only the params of an RL checkpoint, read straight onto their shardings. Read-only: unlike
+    Checkpointer it never cleans up temporary folders, so a run still training there is left alone."""
+    state_dir = (epath.Path(workdir) / "checkpoints" / str(step) / "state").resolve()
+    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
+                                                               dtype=np.dtype(dtype)), abstract_params)
+    try:
+        with ocp.PyTreeCheckpointer() as reader:
+            state = reader.restore(state_dir, args=ocp.args.PyTreeRestore(
+                item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True))
+    except Exception as e:  # orbax / tensorstore raise many types for a missing or mismatched file
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise ValueError(f"cannot read the params of checkpoint step {step} in {workdir} ({type(e).__name__}: "
+                         f"{first}); the workdir's config.json must be the one that run was trained with") from None
+    return state["params"]

@@ -24,7 +24,6 @@ import functools
 import json
 import os
 import sys
-import zlib
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -255,36 +254,16 @@ def load_tokenizer(source: ModelSource, task: str, tokenizer_dir: str = "") -> A
                             f"{candidates or [source.path]}; pass --tokenizer DIR")
 
 
-def restore_checkpoint_params(rl_dir: Path, step: int, abstract_params: Any, dtype: str) -> Any:
-    """Only the params of an RL checkpoint, read straight onto their shardings. Read-only: unlike
-    checkpoint.Checkpointer it never cleans up temporary folders, so a run still training there is left alone."""
-    import jax
-    import jax.numpy as jnp
-    import orbax.checkpoint as ocp
-    state_dir = (rl_dir / "checkpoints" / str(step) / "state").resolve()
-    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
-                                                               dtype=jnp.dtype(dtype)), abstract_params)
-    try:
-        with ocp.PyTreeCheckpointer() as reader:
-            state = reader.restore(state_dir, args=ocp.args.PyTreeRestore(
-                item={"params": abstract_params}, restore_args={"params": restore_args}, partial_restore=True))
-    except Exception as e:  # orbax / tensorstore raise many types for a missing or mismatched file
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        raise ValueError(f"cannot read the params of checkpoint step {step} in {rl_dir} ({type(e).__name__}: "
-                         f"{first}); the workdir's config.json must be the one that run was trained with") from None
-    return state["params"]
-
-
 def load_model(source: ModelSource, tokenizer: Any, dtype: str, mesh: Any, rules: Any) -> tuple[Any, Any]:
     """(cfg, params) on the mesh, in `dtype`, with the tokenizer's stop and pad ids."""
     import jax
     import jax.numpy as jnp
-    from sage_jax import hf_io, sharding, trainer
+    from sage_jax import checkpoint, hf_io, sharding, train_state
     from sage_jax import model as model_lib
     if source.kind == "hf":
         cfg, params = model_lib.load_hf(source.path, dtype=jnp.dtype(dtype), mesh=mesh, rules=rules)
         if source.run_config is not None:  # an export of a run: the same cfg as its checkpoints (one compile)
-            cfg = trainer.model_config(source.run_config, base=cfg)
+            cfg = train_state.model_config(source.run_config, base=cfg)
     else:
         config = source.run_config
         base = None
@@ -294,46 +273,17 @@ def load_model(source: ModelSource, tokenizer: Any, dtype: str, mesh: Any, rules
                 raise FileNotFoundError(f"the run started from {config.model.path}, whose config.json is needed to "
                                         "rebuild the model shape; make it available at that path")
             base = hf_io.config_from_hf(json.loads(hf_config.read_text()))
-        cfg = trainer.model_config(config, vocab_size=getattr(tokenizer, "vocab_size", None), base=base)
+        cfg = train_state.model_config(config, vocab_size=getattr(tokenizer, "vocab_size", None), base=base)
         cfg = cfg.replace(param_dtype=dtype)
         shardings = sharding.param_shardings(cfg, mesh, rules)
         shapes = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
         abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
-        params = restore_checkpoint_params(source.path / "rl", source.step, abstract, dtype)
+        params = checkpoint.restore_params(source.path / "rl", source.step, abstract, dtype)
     cfg = cfg.replace(param_dtype=dtype, compute_dtype=dtype, eos_token_ids=tuple(tokenizer.eos_ids),
                       pad_token_id=int(tokenizer.pad_id))
     return cfg, params
 
 # ------------------------------------------------------------------------------------------------ sampling, scoring
-
-
-def make_generate_fn(cfg: Any, params: Any, decode: Callable[[Any], str], sampling: dict[str, Any], seed: int,
-                     max_rows: int) -> Callable[..., list[list[str]]]:
-    """generate_fn(prompt_token_lists, n, pad_to=0) -> n texts per prompt, for evaluation.evaluate.
-
-    A short batch is padded to pad_to prompts and the n samples are drawn in equal chunks of at most max_rows rows,
-    so one compiled program serves a whole dataset. The key comes from the prompts themselves: a resumed or re-run
-    batch draws the same samples whatever ran before it.
-    """
-    import jax
-    from sage_jax import sampler, sharding
-
-    def generate_fn(prompts: list[list[int]], n: int, pad_to: int = 0) -> list[list[str]]:
-        B = max(pad_to, len(prompts))
-        padded = list(prompts) + [prompts[0]] * (B - len(prompts))
-        per_call = max([d for d in range(1, n + 1) if n % d == 0 and d * B <= max_rows] or [1])
-        digest = zlib.crc32(np.concatenate([np.asarray(p, np.int64) for p in prompts] + [np.asarray([n])]).tobytes())
-        key = jax.random.fold_in(jax.random.key(seed), digest & 0x7FFFFFFF)
-        texts: list[list[str]] = [[] for _ in prompts]
-        for chunk in range(n // per_call):
-            out = sampler.generate(cfg, params, padded, num_samples=per_call, seed=jax.random.fold_in(key, chunk),
-                                   eos_ids=cfg.eos_token_ids, pad_id=cfg.pad_token_id, **sampling)
-            tokens, lengths = sharding.to_host((out.tokens, out.lengths))  # all rows on every process
-            for i in range(len(prompts)):
-                rows = range(i * per_call, (i + 1) * per_call)
-                texts[i] += [decode(tokens[r, :lengths[r]]) for r in rows]
-        return texts
-    return generate_fn
 
 
 def _gold_key(gold: Any) -> str:
@@ -448,7 +398,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"loading {source.kind} model from {source.path}" + (f" (step {source.step})" if source.step
                   else ""), file=sys.stderr)
             cfg, params = load_model(source, tokenizer, dtype, mesh, rules)
-            loaded["fn"] = make_generate_fn(cfg, params, tokenizer.decode, sampling, args.seed, args.max_rows)
+            loaded["fn"] = evaluation.make_generate_fn(cfg, params, tokenizer.decode, sampling, args.seed, args.max_rows)
         return loaded["fn"](prompts, n, pad_to)
 
     results = {}
@@ -466,7 +416,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   lambda ex, t=template: tokenizer.encode(render(t, ex.problem)))
             print(f"{key}: {len(examples)} problems, reward {reward}, template {template}", file=sys.stderr)
             results[key] = evaluation.evaluate(
-                None, None, tokenizer, examples, scorer, n=args.n, ks=ks, out_dir=out / key,
+                tokenizer, examples, scorer, n=args.n, ks=ks, out_dir=out / key,
                 generate_fn=scorer.wrap(functools.partial(generate_fn, pad_to=min(batch_problems, len(examples)))),
                 batch_problems=batch_problems, template=template,
                 run_name=key, progress=not args.no_progress)

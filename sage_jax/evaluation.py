@@ -5,10 +5,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import jax
 import numpy as np
+
+from sage_jax import sampler, sharding
 
 RewardFn = Callable[[str, Any], float]  # (completion text, Example) -> reward in [0, 1]
 GenerateFn = Callable[[list[list[int]], int], list[list[str]]]
@@ -193,14 +197,35 @@ def summarize(records: Sequence[Mapping[str, Any]], ks: Iterable[int]) -> dict[i
     """pass@k table from sample records (fields num_correct and n)."""
     return pass_at_k_table([int(r["num_correct"]) for r in records], [int(r["n"]) for r in records], ks)
 
+# ------------------------------------------------------------------------------------------------ sampling
+
+def make_generate_fn(cfg: Any, params: Any, decode: Callable[[Any], str], sampling: dict[str, Any], seed: int,
+                     max_rows: int) -> Callable[..., list[list[str]]]:
+    """generate_fn(prompt_token_lists, n, pad_to=0) -> n texts per prompt, for evaluation.evaluate.
+
+    A short batch is padded to pad_to prompts and the n samples are drawn in equal chunks of at most max_rows rows,
+    so one compiled program serves a whole dataset. The key comes from the prompts themselves: a resumed or re-run
+    batch draws the same samples whatever ran before it.
+    """
+    def generate_fn(prompts: list[list[int]], n: int, pad_to: int = 0) -> list[list[str]]:
+        B = max(pad_to, len(prompts))
+        padded = list(prompts) + [prompts[0]] * (B - len(prompts))
+        per_call = max([d for d in range(1, n + 1) if n % d == 0 and d * B <= max_rows] or [1])
+        digest = zlib.crc32(np.concatenate([np.asarray(p, np.int64) for p in prompts] + [np.asarray([n])]).tobytes())
+        key = jax.random.fold_in(jax.random.key(seed), digest & 0x7FFFFFFF)
+        texts: list[list[str]] = [[] for _ in prompts]
+        for chunk in range(n // per_call):
+            out = sampler.generate(cfg, params, padded, num_samples=per_call, seed=jax.random.fold_in(key, chunk),
+                                   eos_ids=cfg.eos_token_ids, pad_id=cfg.pad_token_id, **sampling)
+            tokens, lengths = sharding.to_host((out.tokens, out.lengths))  # all rows on every process
+            for i in range(len(prompts)):
+                rows = range(i * per_call, (i + 1) * per_call)
+                texts[i] += [decode(tokens[r, :lengths[r]]) for r in rows]
+        return texts
+    return generate_fn
+
+
 # ------------------------------------------------------------------------------------------------ eval loop
-
-
-def _first_fn(module: Any, names: Sequence[str]) -> Callable[..., Any]:
-    for name in names:
-        if callable(getattr(module, name, None)):
-            return getattr(module, name)
-    raise ValueError(f"{module.__name__} offers none of {list(names)}; pass a reward callable instead")
 
 
 def get_reward_fn(reward_name: str | RewardFn) -> RewardFn:
@@ -214,26 +239,22 @@ def get_reward_fn(reward_name: str | RewardFn) -> RewardFn:
     if reward_name == "math":
         from sage_jax.rewards import math as math_reward
 
-        verify = _first_fn(math_reward, ("verify", "score"))
-        return lambda completion, ex: float(verify(completion, ex.answer))
+        return lambda completion, ex: float(math_reward.verify(completion, ex.answer))
     if reward_name == "kk":
         from sage_jax.rewards import kk
 
-        score = _first_fn(kk, ("score", "verify", "reward"))
-        return lambda completion, ex: float(score(completion, ex.meta.get("gold", ex.answer)))
+        return lambda completion, ex: float(kk.score(completion, ex.meta.get("gold", ex.answer)))
     raise ValueError(f"unknown reward {reward_name!r}; use 'countdown', 'math', 'kk' or pass a callable")
 
 
 def evaluate(
-    cfg: Any,
-    params: Any,
     tokenizer: Any,
     examples: Sequence[Any],
     reward_name: str | RewardFn,
     n: int,
     ks: Sequence[int] | None,
     out_dir: str | os.PathLike,
-    generate_fn: GenerateFn | None = None,
+    generate_fn: GenerateFn,
     batch_problems: int = 8,
     template: str = "plain",
     run_name: str = "model",
@@ -241,14 +262,10 @@ def evaluate(
 ) -> dict[str, Any]:
     """Sample n completions per problem, score them, log them (resumable) and write pass@k tables and a plot.
 
-    generate_fn(prompt_token_lists, num_samples) -> completions text, one list of num_samples per prompt; it closes
-    over cfg and params (the trainer wires it to the sampler). Writes out_dir/{samples.jsonl, results.json,
+    generate_fn(prompt_token_lists, num_samples) -> completions text, one list of num_samples per prompt (see
+    make_generate_fn). Writes out_dir/{samples.jsonl, results.json,
     results.md, pass_at_k.png} and returns the results dict.
     """
-    del cfg, params  # consumed by generate_fn
-    if generate_fn is None:
-        raise ValueError("evaluate needs generate_fn(prompt_token_lists, num_samples) -> list[list[str]]; wrap"
-                         " sage_jax.sampler.generate with the model config and params")
     from sage_jax.data.templates import render
     from tqdm.auto import tqdm
 
@@ -257,7 +274,6 @@ def evaluate(
         raise ValueError(f"every k must be in [1, n={n}], got {ks}")
     reward_fn = get_reward_fn(reward_name)
     out_dir = Path(out_dir)
-    import jax
     # every process samples (the sampler is a collective) and scores; only the first writes files (a multi-host run
     # resumes from out_dir, so it must be on a filesystem all hosts read, as the checkpoints are)
     primary = jax.process_index() == 0

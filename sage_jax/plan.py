@@ -95,19 +95,19 @@ def simulate_devices(n: int) -> None:
 
 def resolve_model(config):
     """(ModelConfig, where it came from): a local config.json, a known checkpoint name, or config.model.preset."""
-    from sage_jax import model as model_lib, trainer
+    from sage_jax import model as model_lib, train_state
     path = config.model.path
     if not path:
         vocab = None
         if config.data.task == "countdown":
             from sage_jax.rewards.countdown import CountdownTokenizer
             vocab = CountdownTokenizer().vocab_size
-        return trainer.model_config(config, vocab_size=vocab), f"preset {config.model.preset or 'tiny'!r}"
+        return train_state.model_config(config, vocab_size=vocab), f"preset {config.model.preset or 'tiny'!r}"
     config_json = os.path.join(path, "config.json")
     if os.path.isfile(config_json):
         from sage_jax import hf_io
         with open(config_json) as f:
-            return trainer.model_config(config, base=hf_io.config_from_hf(json.load(f))), config_json
+            return train_state.model_config(config, base=hf_io.config_from_hf(json.load(f))), config_json
     name = os.path.basename(os.path.normpath(path)).lower()
     if name not in KNOWN_MODELS:
         raise FileNotFoundError(
@@ -115,7 +115,7 @@ def resolve_model(config):
             f"({', '.join(sorted(KNOWN_MODELS))}); copy its config.json there, or plan a preset with "
             "--config.model.path= --config.model.preset=NAME")
     preset, overrides = KNOWN_MODELS[name]
-    return (trainer.model_config(config, base=model_lib.preset(preset, **overrides)),
+    return (train_state.model_config(config, base=model_lib.preset(preset, **overrides)),
             f"preset {preset!r} (by name: {path} is not on this machine)")
 
 
@@ -183,15 +183,15 @@ def _abstract_outputs(fn, *args):
 def abstract_state(cfg, config, mesh, rules):
     """(state, reference params, tx, schedule) laid out as trainer.run_rl lays them out, without any weights."""
     import jax
-    from sage_jax import model as model_lib, sharding, trainer
+    from sage_jax import model as model_lib, sharding, train_state
     shapes = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
                           sharding.param_shardings(cfg, mesh, rules))
     optim = config.optim
-    tx, schedule = trainer.make_optimizer(optim, config.train.steps * optim.num_iterations * optim.mini_batches)
-    shardings = trainer.state_shardings(params, tx, cfg, mesh, rules)
+    tx, schedule = train_state.make_optimizer(optim, config.train.steps * optim.num_iterations * optim.mini_batches)
+    shardings = train_state.state_shardings(params, tx, cfg, mesh, rules)
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                         jax.eval_shape(lambda p: trainer.init_state(p, tx), params), shardings)
+                         jax.eval_shape(lambda p: train_state.init_state(p, tx), params), shardings)
     ref_dtype = config.model.ref_dtype
     ref = _abstract_outputs(jax.jit(lambda p: jax.tree.map(lambda x: x.astype(ref_dtype), p)), state["params"])
     return state, ref, tx, schedule
@@ -222,16 +222,16 @@ def abstract_batch(config, shapes: Shapes, rows: int, mesh) -> dict[str, Any]:
 
 def lower_train_step(cfg, config, state, tx, schedule, batch):
     import jax
-    from sage_jax import trainer
-    step = trainer.make_train_step(cfg, trainer.loss_config(config), tx, schedule, config.seed, config.optim.grad_accum,
+    from sage_jax import train_state, trainer
+    step = train_state.make_train_step(cfg, trainer.loss_config(config), tx, schedule, config.seed, config.optim.grad_accum,
                                    jax.tree.map(lambda x: x.sharding, state))
     return step.lower(state, batch)
 
 
 def lower_ref_logprobs(cfg, config, ref_params, batch, shapes: Shapes):
-    from sage_jax import trainer
+    from sage_jax import train_state, trainer
     ref_cfg = cfg.replace(compute_dtype=config.model.ref_dtype)
-    return trainer.sequence_logprobs_pass.lower(ref_cfg, ref_params, batch["tokens"], batch["mask"],
+    return train_state.sequence_logprobs_pass.lower(ref_cfg, ref_params, batch["tokens"], batch["mask"],
                                            prompt_len=shapes.prompt_len, temperature=trainer.loss_config(config).temperature)
 
 
@@ -344,7 +344,7 @@ def analytic(cfg, config, mesh, rules, shapes: Shapes) -> tuple[dict[str, int], 
     warnings = []
     if out["opt_state"] > 1.05 * out["opt_state_if_sharded"]:
         warnings.append(f"the optimizer state is not sharded like the parameters: {_fmt(out['opt_state'])} per device "
-                        f"instead of {_fmt(out['opt_state_if_sharded'])} (trainer.init_state's jit has no "
+                        f"instead of {_fmt(out['opt_state_if_sharded'])} (train_state.init_state's jit has no "
                         "out_shardings, so XLA picks them); fix that in the trainer")
     if not kv_sharded:
         warnings.append("the KV cache's sharding constraint does not divide its shape and is skipped: counted "

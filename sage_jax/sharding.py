@@ -84,11 +84,6 @@ def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, Any] | None 
     return P(*out)
 
 
-def logical_to_sharding(axes: Sequence[str | None], mesh: Mesh, rules: Mapping[str, Any] | None = None
-                        ) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(axes, rules))
-
-
 def check_divisible(path: str, shape: Sequence[int], spec: P, mesh: Mesh) -> None:
     for dim, (size, entry) in enumerate(zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)))):
         if entry is None:
@@ -178,18 +173,6 @@ def initialize_distributed() -> None:
         )
     elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("CLOUD_TPU_TASK_ID"):
         jax.distributed.initialize()
-
-
-def host_local_batch(global_batch: np.ndarray, process_index: int | None = None,
-                     process_count: int | None = None) -> np.ndarray:
-    """This process's contiguous share of a global batch (rows split evenly across processes)."""
-    pi = jax.process_index() if process_index is None else process_index
-    pc = jax.process_count() if process_count is None else process_count
-    n = global_batch.shape[0]
-    if n % pc:
-        raise ValueError(f"global batch of {n} rows does not split over {pc} processes")
-    per = n // pc
-    return global_batch[pi * per:(pi + 1) * per]
 
 
 def to_host(tree: Any) -> Any:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sage_jax import checkpoint, model as model_lib, sharding, tasks, trainer
+from sage_jax import checkpoint, model as model_lib, sharding, tasks, train_state
 from sage_jax import logging as slog
 from sage_jax.data import loaders
 
@@ -74,24 +74,25 @@ def sft_loss(params, batch, cfg):
     return loss, {"sft/loss": loss}
 
 
-def run_sft(config, workdir: str):
-    """Train config.sft.steps steps (resumable from workdir); returns the fine-tuned params on the mesh."""
+def run_sft(config, workdir: str, task: tasks.Task | None = None):
+    """Train config.sft.steps steps on `task`'s demonstrations (default tasks.build(config)), resumable from
+    workdir; returns (cfg, the fine-tuned params on the mesh)."""
     s = config.sft
     rules = dict(config.mesh.rules)
     mesh = sharding.make_mesh(tuple(config.mesh.shape))
-    task = tasks.build(config)
+    task = task or tasks.build(config)
     with jax.set_mesh(mesh), sharding.use_rules(rules):
-        cfg, params = trainer.load_or_init_params(config, mesh, rules, task.tokenizer)
+        cfg, params = train_state.load_or_init_params(config, mesh, rules, task.tokenizer)
         tokens, mask, loss_mask = tokenize(task, demonstrations(config, task), config.data.max_prompt_len +
                                            config.rollout.max_new_tokens)
         optim = config.optim.copy_and_resolve_references()
         with optim.unlocked():
             optim.lr, optim.warmup_steps, optim.schedule, optim.weight_decay = s.lr, s.warmup_steps, "cosine", 0.0
-        tx, schedule = trainer.make_optimizer(optim, s.steps)
-        state, shardings = trainer.create_state(params, tx, cfg, mesh, rules)
+        tx, schedule = train_state.make_optimizer(optim, s.steps)
+        state, shardings = train_state.create_state(params, tx, cfg, mesh, rules)
         del params
-        step_fn = trainer.make_train_step(cfg, None, tx, schedule, config.seed, 1, shardings,
-                                          loss_fn=lambda p, b, c, _l, _s, _k: sft_loss(p, b, c))
+        step_fn = train_state.make_train_step(cfg, None, tx, schedule, config.seed, 1, shardings,
+                                              loss_fn=lambda p, b, c, _l, _s, _k: sft_loss(p, b, c))
         ckpt = checkpoint.Checkpointer(workdir, keep=1)
         restored = ckpt.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                              state))

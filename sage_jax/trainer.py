@@ -1,4 +1,5 @@
-"""The RL loop: rollouts -> rewards -> group advantages -> reference log-probs -> jitted updates.
+"""The RL loop. One step (`rl_step`): rollouts -> rewards -> group advantages -> reference / old log-probs ->
+jitted updates -> metrics; `run_rl` is its setup, loop and hooks (checkpoints, evaluation, logging).
 
 Reads top to bottom: mesh -> task -> model/optimizer -> sharded state -> train_step -> restore -> loop.
 The policy params are donated to train_step and read by the sampler in place; the reference params are made once.
@@ -6,217 +7,128 @@ The policy params are donated to train_step and read by the sampler in place; th
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging as pylogging
 import os
 import time
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-from sage_jax import model as model_lib
-from sage_jax import checkpoint, evaluation, objectives, rollouts, sampler, sharding, tasks
+from sage_jax import checkpoint, evaluation, guides, objectives, rollouts, sharding, supervised, tasks
 from sage_jax import logging as slog
+from sage_jax import model as model_lib
+from sage_jax import train_state
 from sage_jax.rewards.pool import RewardPool
 
 log = pylogging.getLogger("sage_jax")
 
-
-# --------------------------------------------------------------------------------------------------- model
-
-def model_config(config, vocab_size: int | None = None, base: model_lib.ModelConfig | None = None
-                 ) -> model_lib.ModelConfig:
-    """ModelConfig from config.model: a loaded HF config (base) or a preset, plus non-zero size overrides."""
-    m = config.model
-    if base is None:
-        base = model_lib.preset(m.preset or "tiny")
-        sizes = {k: m[k] for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                                   "intermediate_size") if m[k]}
-        if vocab_size and not m.vocab_size:
-            sizes["vocab_size"] = vocab_size
-        if "hidden_size" in sizes or "num_heads" in sizes:
-            sizes["head_dim"] = sizes.get("hidden_size", base.hidden_size) // sizes.get("num_heads", base.num_heads)
-        base = base.replace(**sizes)
-    return base.replace(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat,
-                        scan_layers=m.scan_layers, logits_chunk=m.logits_chunk)
+# (policy params, RL step) -> (scored rollouts in rollouts.rollout's layout plus "rewards" and "correct", host stats)
+CollectFn = Callable[[Any, int], tuple[dict[str, Any], dict[str, float]]]
 
 
-def load_or_init_params(config, mesh, rules, tokenizer=None, path: str | None = None):
-    """(cfg, params) placed on the mesh: from an HF directory, or a seeded random init born sharded."""
-    path = config.model.path if path is None else path
-    if path:
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"model path {path!r} does not exist: set --config.model.path to a local Hugging "
-                                    "Face directory (config.json + *.safetensors)")
-        base, params = model_lib.load_hf(path, dtype=jnp.dtype(config.model.param_dtype), mesh=mesh, rules=rules)
-        cfg = model_config(config, base=base)
-    else:
-        cfg = model_config(config, vocab_size=getattr(tokenizer, "vocab_size", None))
-        shardings = sharding.param_shardings(cfg, mesh, rules)
-        init = jax.jit(functools.partial(model_lib.init_params, cfg), out_shardings=shardings)
-        params = init(jax.random.key(config.seed))
-    if tokenizer is not None:
-        cfg = cfg.replace(eos_token_ids=tuple(tokenizer.eos_ids), pad_token_id=int(tokenizer.pad_id))
-    return cfg, params
+# --------------------------------------------------------------------------------------------------- one RL step
+
+@dataclasses.dataclass(frozen=True)
+class RLContext:
+    """What one RL step reads besides the train state; made once per run (`rl_context`)."""
+    cfg: model_lib.ModelConfig          # the policy's
+    ref_cfg: model_lib.ModelConfig
+    ref_params: Any
+    loss_cfg: objectives.LossConfig
+    train_step: Callable[[Any, dict[str, Any]], tuple[Any, dict[str, jax.Array]]]
+    mesh: Any
+    group_size: int
+    max_new_tokens: int
+    num_iterations: int = 1
+    mini_batches: int = 1
+    logprob_rows: int = 0                # rows per no-grad log-prob pass (0: all at once)
+    seed: int = 0
 
 
-# --------------------------------------------------------------------------------------------------- optimizer
-
-def learning_rate_schedule(optim, total_updates: int) -> optax.Schedule:
-    warmup = min(optim.warmup_steps, max(total_updates - 1, 0))
-    if optim.schedule == "constant":
-        after = optax.constant_schedule(optim.lr)
-    elif optim.schedule == "cosine":
-        after = optax.cosine_decay_schedule(optim.lr, max(total_updates - warmup, 1), alpha=0.1)
-    else:
-        raise ValueError(f"optim.schedule={optim.schedule!r}: choose 'constant' or 'cosine'")
-    if not warmup:
-        return after
-    return optax.join_schedules([optax.linear_schedule(0.0, optim.lr, warmup), after], [warmup])
+class StepOutput(NamedTuple):
+    state: Any
+    metrics: dict[str, jax.Array]        # the last update's, on device (fetch them one step late)
+    host: dict[str, float]               # rollout statistics and timings
+    rollouts: dict[str, Any]
 
 
-def make_optimizer(optim, total_updates: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    schedule = learning_rate_schedule(optim, total_updates)
-    tx = optax.chain(optax.clip_by_global_norm(optim.grad_clip) if optim.grad_clip > 0 else optax.identity(),
-                     optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=optim.weight_decay))
-    return tx, schedule
+def rl_step(ctx: RLContext, state, step: int, collect: CollectFn) -> StepOutput:
+    """One RL step: `collect` samples and scores rollouts with the current policy, then every update of the step."""
+    t0 = time.perf_counter()
+    ro, stats = collect(state["params"], step)
+    t_rollout = time.perf_counter() - t0
+    lc = ctx.loss_cfg
+    adv = objectives.group_advantages(jnp.asarray(ro["rewards"]), ctx.group_size, scale=lc.adv_scale,
+                                      eps=lc.adv_eps, ddof=lc.std_ddof, estimator=lc.adv_estimator)
+    batch = rollouts.build_batch(ro, np.asarray(adv), ctx.cfg.pad_token_id, ctx.max_new_tokens)
+    mine = sharding.local_rows(batch["tokens"].shape[0])  # this process feeds its share
+    dev = {k: sharding.global_batch(v[mine], ctx.mesh) for k, v in batch.items()}
+    no_grad = dict(prompt_len=ro["prompt_tokens"].shape[1], temperature=lc.temperature,
+                   rows_per_pass=ctx.logprob_rows)
+    dev["ref_logp"], _ = train_state.sequence_logprobs(ctx.ref_cfg, ctx.ref_params, dev["tokens"], dev["mask"],
+                                                       **no_grad)
+    sequence_kl = lc.kl_in_loss and lc.kl_estimator in objectives.SEQUENCE_ESTIMATORS
+    if ctx.num_iterations * ctx.mini_batches > 1 or lc.kl_in_reward or sequence_kl:
+        dev["old_logp"], old_entropy = train_state.sequence_logprobs(ctx.cfg, state["params"], dev["tokens"],
+                                                                     dev["mask"], **no_grad)
+    if lc.kl_in_reward:
+        dev["advantages"] = _advantages_with_kl_penalty(ctx, ro, dev, old_entropy, step)
+    if sequence_kl:  # whole groups are needed here, before mini-batches and micro-batches split them
+        dev["seq_kl_coef"] = objectives.forward_kl_coefficients(
+            dev["old_logp"], dev["ref_logp"], _old_log_q(ctx, dev, old_entropy, step), dev["completion_mask"],
+            ctx.group_size)
+    dev["rl_step"] = np.int32(step)
+    t1 = time.perf_counter()
+    for _ in range(ctx.num_iterations):
+        for mb in _mini_batches(dev, ctx.mini_batches, ctx.group_size, step):
+            state, metrics = ctx.train_step(state, mb)
+    step_s = time.perf_counter() - t0
+    host = {**stats, "rl/reward": float(ro["rewards"].mean()), "rl/accuracy": float(ro["correct"].mean()),
+            "rl/truncated": float((~ro["finished"]).mean()), "rl/gen_len": float(ro["lengths"].mean()),
+            "time/rollout_s": t_rollout, "time/update_s": time.perf_counter() - t1, "time/step_s": step_s,
+            "time/rl_step": step, "perf/tokens_per_s": float(batch["mask"].sum()) / step_s}
+    return StepOutput(state, metrics, host, ro)
 
 
-def init_state(params, tx) -> dict[str, Any]:
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+def _mini_batches(dev, n_mb: int, group_size: int, rl_step: int):
+    """Split rows into n_mb mini-batches of whole groups (order shuffled per step)."""
+    if n_mb == 1:
+        yield dev
+        return
+    N = dev["tokens"].shape[0]
+    if (N // group_size) % n_mb:
+        raise ValueError(f"optim.mini_batches={n_mb} must divide the {N // group_size} prompt groups per step")
+    groups = np.random.default_rng(rl_step).permutation(N // group_size).reshape(n_mb, -1)
+    for g in groups:
+        rows = (g[:, None] * group_size + np.arange(group_size)).reshape(-1)
+        yield {k: (v if v.ndim == 0 else v[rows]) for k, v in dev.items()}
 
 
-def state_shardings(params, tx, cfg, mesh, rules):
-    """Shardings of the train state: optimizer moments take their param's sharding (never replicated)."""
-    param_sh = sharding.param_shardings(cfg, mesh, rules)
-    abstract = jax.eval_shape(lambda p: init_state(p, tx), params)
-    opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, abstract["opt_state"], param_sh,
-                                   transform_non_params=lambda _: sharding.replicated(mesh))
-    return {"step": sharding.replicated(mesh), "params": param_sh, "opt_state": opt_sh}
+def _old_log_q(ctx: RLContext, dev, entropy, rl_step: int):
+    """The guide's log q from the pre-update policy (for terms computed once per RL step, outside the loss)."""
+    lc = ctx.loss_cfg
+    key = jax.random.fold_in(jax.random.key(ctx.seed + 1), rl_step)
+    return guides.compute_log_q(lc.guide.name, dev["old_logp"], entropy, dev["completion_mask"], key, lc.guide,
+                                rl_step)
 
 
-def create_state(params, tx, cfg, mesh, rules):
-    """The train state, born sharded (params donated into it)."""
-    shardings = state_shardings(params, tx, cfg, mesh, rules)
-    state = jax.jit(lambda p: init_state(p, tx), out_shardings=shardings, donate_argnums=0)(params)
-    return state, shardings
+def _advantages_with_kl_penalty(ctx: RLContext, ro, dev, entropy, rl_step: int):
+    """KL as a k1 penalty in the reward: r - beta * sum_t (logp - ref_logp - log q), then group-normalised."""
+    lc = ctx.loss_cfg
+    penalty = objectives.kl_reward_penalty(dev["old_logp"], dev["ref_logp"], _old_log_q(ctx, dev, entropy, rl_step),
+                                           dev["completion_mask"], lc.beta)
+    return objectives.group_advantages(jnp.asarray(ro["rewards"]) + penalty, ctx.group_size, scale=lc.adv_scale,
+                                       eps=lc.adv_eps, ddof=lc.std_ddof, estimator=lc.adv_estimator)
 
 
-# --------------------------------------------------------------------------------------------------- step
-
-def make_train_step(cfg, loss_cfg: objectives.LossConfig, tx, schedule, seed: int, grad_accum: int = 1,
-                    shardings=None, loss_fn=None):
-    """jitted train_step(state, batch) -> (state, metrics); state is donated.
-
-    batch holds [N, ...] arrays (see objectives.loss_fn) and a scalar `rl_step` that keys the guides' randomness
-    and schedules. With grad_accum > 1 the rows are split into micro-batches whose gradients are averaged; token-mean
-    losses keep the whole batch's token count as their normaliser.
-    """
-    loss_fn = loss_fn or objectives.loss_fn
-
-    def grads_of(params, arrays, rl_step, key):
-        return jax.value_and_grad(loss_fn, has_aux=True)(params, arrays, cfg, loss_cfg, rl_step, key)
-
-    def train_step(state, batch):
-        rl_step = batch["rl_step"]
-        arrays = {k: v for k, v in batch.items() if k != "rl_step"}
-        if loss_cfg is not None:
-            arrays = objectives.with_batch_normaliser(arrays, loss_cfg)
-        # state["step"] counts updates, so every mini-batch and iteration of an RL step draws its own guide noise
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), rl_step), state["step"])
-        if grad_accum == 1:
-            (_, metrics), grads = grads_of(state["params"], arrays, rl_step, key)
-        else:
-            # strided split: micro-batch m holds rows m, m+A, ..., so each device keeps its own rows
-            micro = jax.tree.map(lambda a: a.reshape(a.shape[0] // grad_accum, grad_accum, *a.shape[1:]).swapaxes(0, 1),
-                                 arrays)
-
-            def body(acc, mb_index):
-                mb, index = mb_index
-                (_, m), g = grads_of(state["params"], mb, rl_step, jax.random.fold_in(key, index))
-                return jax.tree.map(jnp.add, acc, (g, m)), None
-            (_, m0), g0 = jax.eval_shape(grads_of, state["params"], jax.tree.map(lambda a: a[0], micro), rl_step, key)
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (g0, m0))
-            (grads, metrics), _ = jax.lax.scan(body, zeros, (micro, jnp.arange(grad_accum)))
-            grads, metrics = jax.tree.map(lambda x: x / grad_accum, (grads, metrics))
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        metrics = dict(metrics, **{"opt/grad_norm": optax.tree.norm(grads), "opt/lr": schedule(state["step"])})
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
-
-    if shardings is None:
-        return jax.jit(train_step, donate_argnums=0)
-    return jax.jit(train_step, donate_argnums=0, in_shardings=(shardings, None), out_shardings=(shardings, None))
-
-
-def sequence_logprobs(cfg, params, tokens_NxT, mask_NxT, *, prompt_len: int, temperature: float,
-                      rows_per_pass: int = 0):
-    """(logp, entropy) [N, C] of the completion tokens (positions prompt_len..T-1) under `params`.
-
-    With rows_per_pass, rows go through the model that many at a time (bounds the activations of a no-grad pass).
-    """
-    N = tokens_NxT.shape[0]
-    if not rows_per_pass or rows_per_pass >= N:
-        return sequence_logprobs_pass(cfg, params, tokens_NxT, mask_NxT, prompt_len=prompt_len, temperature=temperature)
-    outs = [sequence_logprobs_pass(cfg, params, tokens_NxT[i:i + rows_per_pass], mask_NxT[i:i + rows_per_pass],
-                               prompt_len=prompt_len, temperature=temperature) for i in range(0, N, rows_per_pass)]
-    return tuple(jnp.concatenate(parts) for parts in zip(*outs))
-
-
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("prompt_len", "temperature"))
-def sequence_logprobs_pass(cfg, params, tokens_NxT, mask_NxT, *, prompt_len: int, temperature: float):
-    targets = jnp.concatenate([tokens_NxT[:, 1:], jnp.full_like(tokens_NxT[:, :1], cfg.pad_token_id)], axis=1)
-    return model_lib.logprobs_and_entropy(cfg, params, tokens_NxT, targets, mask_BxT=mask_NxT,
-                                          temperature=temperature, start=prompt_len - 1,
-                                          length=tokens_NxT.shape[1] - prompt_len)
-
-
-
-
-# --------------------------------------------------------------------------------------------------- evaluation
-
-def make_generate_fn(task: tasks.Task, cfg, params, eval_cfg, rollout_cfg, seed: int):
-    """generate_fn(prompt_token_lists, n) -> texts, for evaluation.evaluate."""
-    max_new = eval_cfg.max_new_tokens or rollout_cfg.max_new_tokens
-    calls = [0]
-
-    def generate_fn(prompts, n):
-        calls[0] += 1
-        out = sampler.generate(cfg, params, prompts, max_new_tokens=max_new, temperature=eval_cfg.temperature,
-                               top_p=eval_cfg.top_p, min_p=eval_cfg.min_p, eos_ids=cfg.eos_token_ids,
-                               seed=jax.random.fold_in(jax.random.key(seed), calls[0]), num_samples=n,
-                               pad_id=cfg.pad_token_id)
-        tokens, lengths = sharding.to_host((out.tokens, out.lengths))
-        texts = [task.tokenizer.decode(t[:l]) for t, l in zip(tokens, lengths)]
-        return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
-    return generate_fn
-
-
-def run_eval(task: tasks.Task, cfg, params, config, out_dir: str, pool: RewardPool, tag: str) -> dict[str, Any]:
-    """pass@k on every eval set of the task; returns {dataset: {"pass@k": value}}."""
-    ev = config.eval
-    results = {}
-    for name, examples in task.evals.items():
-        examples = examples[:ev.problems] if ev.problems else examples
-        reward = lambda text, ex: float(pool.score([text], [task.gold(ex)])[0])
-        res = evaluation.evaluate(cfg, params, task.tokenizer, examples, reward, n=ev.n, ks=list(ev.ks),
-                                  out_dir=os.path.join(out_dir, name), template=task.template, run_name=tag,
-                                  generate_fn=make_generate_fn(task, cfg, params, ev, config.rollout, config.seed),
-                                  batch_problems=max(1, 256 // ev.n), progress=config.train.progress)
-        results[name] = {f"pass@{k}": v for k, v in res["pass_at_k"].items()}
-    # summary.json layout: the first eval set's pass@k at the top, every set under "datasets"
-    first = next(iter(results.values()), {})
-    return {**first, "datasets": results}
-
-
-# --------------------------------------------------------------------------------------------------- the loop
-
-def _rl_step_data(task, cfg, params, config, rl_step, pool, loss_cfg):
-    """Rollouts + rewards (+ DAPO dynamic sampling) for one RL step; host arrays."""
+def collect_rollouts(task: tasks.Task, cfg, config, pool: RewardPool, params, rl_step: int):
+    """Rollouts + rewards (+ DAPO dynamic sampling) for one RL step; host arrays. Bound to its first four
+    arguments (functools.partial) it is rl_step's CollectFn."""
     ro_cfg, tr = config.rollout, config.train
     G, B = ro_cfg.group_size, ro_cfg.prompts_per_step
     parts, kept = [], 0
@@ -229,8 +141,8 @@ def _rl_step_data(task, cfg, params, config, rl_step, pool, loss_cfg):
         mine = sharding.local_rows(len(ro["texts"]))
         ro["rewards"] = sharding.allgather_rows(pool.score(ro["texts"][mine], ro["golds"][mine]).astype(np.float32))
         ro["correct"] = (ro["rewards"] >= 1.0).astype(np.float32)
-        ro["rewards"] = ro["rewards"] + rollouts.overlong_penalty(ro["lengths"], ro_cfg.max_new_tokens, tr.overlong_buffer,
-                                                   tr.overlong_penalty)
+        ro["rewards"] = ro["rewards"] + rollouts.overlong_penalty(ro["lengths"], ro_cfg.max_new_tokens,
+                                                                  tr.overlong_buffer, tr.overlong_penalty)
         parts.append(ro)
         if not tr.dynamic_sampling:
             break
@@ -250,161 +162,102 @@ def _rl_step_data(task, cfg, params, config, rl_step, pool, loss_cfg):
     return ro, stats
 
 
-def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
-    """Train with RL from config; resumes from workdir's checkpoints. Returns the summary dict."""
-    os.makedirs(workdir, exist_ok=True)
-    primary = jax.process_index() == 0
-    tr, ro_cfg, optim = config.train, config.rollout, config.optim
-    rules = dict(config.mesh.rules)
-
-    # mesh -> task -> model/optimizer
-    mesh = sharding.make_mesh(tuple(config.mesh.shape))
-    task = tasks.build(config)
-    with jax.set_mesh(mesh), sharding.use_rules(rules):
-        cfg, params = load_or_init_params(config, mesh, rules, task.tokenizer)
-        if params_override is not None:
-            params = jax.device_put(params_override, sharding.param_shardings(cfg, mesh, rules))
-        ref_cfg = cfg.replace(compute_dtype=config.model.ref_dtype)
-        ref_params = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(config.model.ref_dtype), p))(params)
-        loss_cfg = loss_config(config)
-        updates_per_step = optim.num_iterations * optim.mini_batches
-        tx, schedule = make_optimizer(optim, tr.steps * updates_per_step)
-        state, shardings = create_state(params, tx, cfg, mesh, rules)
-        del params
-        train_step = make_train_step(cfg, loss_cfg, tx, schedule, config.seed, optim.grad_accum, shardings)
-
-        # restore
-        ckpt = checkpoint.Checkpointer(os.path.join(workdir, "rl"), keep=tr.keep_ckpts)
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-        restored = ckpt.restore(abstract)
-        start = 0
-        if restored is not None:
-            _, state, meta = restored
-            start = int(meta["rl_step"])
-            log.info("resumed from %s at RL step %d", os.path.join(workdir, "rl"), start)
-
-        logger = slog.MetricsLogger(workdir, config.to_dict(), use_tensorboard=tr.use_tensorboard,
-                                    use_wandb=tr.use_wandb)
-        late = slog.LateMetrics()
-        summary_path = os.path.join(workdir, "summary.json")
-        summary = _read_summary(summary_path)
-        with RewardPool(tr.reward if tr.reward else task.reward, num_workers=tr.reward_workers,
-                        timeout_s=tr.reward_timeout) as pool:
-            if config.eval.at_start and "before" not in summary and task.evals:
-                summary["before"] = run_eval(task, cfg, state["params"], config,
-                                             os.path.join(workdir, "eval", "before"), pool, "before")
-                _write_summary(summary_path, summary, primary)
-            progress = slog.Progress(total=tr.steps, initial=start, enabled=tr.progress and primary)
-            last_good = start if restored is not None else None
-            for rl_step in range(start, tr.steps):
-                t0 = time.perf_counter()
-                ro, stats = _rl_step_data(task, cfg, state["params"], config, rl_step, pool, loss_cfg)
-                t_rollout = time.perf_counter() - t0
-                adv = objectives.group_advantages(jnp.asarray(ro["rewards"]), ro_cfg.group_size,
-                                                  scale=loss_cfg.adv_scale, eps=loss_cfg.adv_eps,
-                                                  ddof=loss_cfg.std_ddof, estimator=loss_cfg.adv_estimator)
-                batch = rollouts.build_batch(ro, np.asarray(adv), cfg.pad_token_id, ro_cfg.max_new_tokens)
-                P = ro["prompt_tokens"].shape[1]
-                mine = sharding.local_rows(batch["tokens"].shape[0])  # this process feeds its share
-                dev = {k: sharding.global_batch(v[mine], mesh) for k, v in batch.items()}
-                no_grad = dict(prompt_len=P, temperature=loss_cfg.temperature, rows_per_pass=tr.logprob_rows)
-                dev["ref_logp"], _ = sequence_logprobs(ref_cfg, ref_params, dev["tokens"], dev["mask"], **no_grad)
-                sequence_kl = loss_cfg.kl_in_loss and loss_cfg.kl_estimator in objectives.SEQUENCE_ESTIMATORS
-                if updates_per_step > 1 or loss_cfg.kl_in_reward or sequence_kl:
-                    dev["old_logp"], old_ent = sequence_logprobs(cfg, state["params"], dev["tokens"], dev["mask"],
-                                                                 **no_grad)
-                if loss_cfg.kl_in_reward:
-                    dev["advantages"] = _advantages_with_kl_penalty(ro, dev, old_ent, loss_cfg, rl_step, config)
-                if sequence_kl:  # whole groups are needed here, before mini-batches and micro-batches split them
-                    dev["seq_kl_coef"] = objectives.forward_kl_coefficients(
-                        dev["old_logp"], dev["ref_logp"], _old_log_q(dev, old_ent, loss_cfg, rl_step, config),
-                        dev["completion_mask"], ro_cfg.group_size)
-                dev["rl_step"] = np.int32(rl_step)
-                t1 = time.perf_counter()
-                for _ in range(optim.num_iterations):
-                    for mb in _mini_batches(dev, optim.mini_batches, ro_cfg.group_size, rl_step):
-                        state, metrics = train_step(state, mb)
-                host = {**stats, "rl/reward": float(ro["rewards"].mean()), "rl/accuracy": float(ro["correct"].mean()),
-                        "rl/truncated": float((~ro["finished"]).mean()),
-                        "rl/gen_len": float(ro["lengths"].mean()),
-                        "time/rollout_s": t_rollout, "time/rl_step": rl_step}
-                previous = late.push(rl_step, metrics)
-                step_time = time.perf_counter() - t0
-                host.update({"time/update_s": time.perf_counter() - t1, "time/step_s": step_time,
-                             "perf/tokens_per_s": float(batch["mask"].sum()) / step_time})
-                if previous is not None:
-                    _report(previous, logger, progress, last_good, workdir)
-                logger.log(rl_step, host)
-                progress.update(rl_step + 1, host)
-                if tr.sample_every and rl_step % tr.sample_every == 0:
-                    logger.log_samples(rl_step, [{"prompt": p, "completion": c, "reward": float(r)} for p, c, r in
-                                                 zip(ro["prompts"][:4], ro["texts"][:4], ro["rewards"][:4])])
-                done = rl_step + 1
-                if done % tr.ckpt_every == 0 or done == tr.steps:
-                    _report(late.flush(), logger, progress, last_good, workdir)
-                    ckpt.save(done, state, {"rl_step": done, "seed": config.seed})
-                    last_good = done
-                if tr.eval_every and done % tr.eval_every == 0 and done != tr.steps:
-                    res = run_eval(task, cfg, state["params"], config, os.path.join(workdir, "eval", f"step{done}"),
-                                   pool, f"step{done}")
-                    logger.log(rl_step, {f"eval/{d}/{k}": v for d, r in res["datasets"].items()
-                                         for k, v in r.items()})
-            _report(late.flush(), logger, progress, last_good, workdir)
-            progress.close()
-            ckpt.wait()
-            if config.eval.at_end and task.evals and ("after" not in summary or summary.get("after_step") != tr.steps):
-                summary["after"] = run_eval(task, cfg, state["params"], config,
-                                            os.path.join(workdir, "eval", "after"), pool, "after")
-                summary["after_step"] = tr.steps
-                _write_summary(summary_path, summary, primary)
-        if tr.export_hf:
-            model_lib.save_hf(os.path.join(workdir, "hf_export"), cfg, state["params"])
-        ckpt.close()
-        logger.close()
-    summary["state"] = state
-    summary["model_cfg"] = cfg
-    return summary
-
+# --------------------------------------------------------------------------------------------------- setup
 
 def loss_config(config) -> objectives.LossConfig:
     """LossConfig from config.loss; log-probs and entropies are of the sampling (temperature-scaled) policy."""
-    import dataclasses
     loss_cfg = objectives.LossConfig.from_config(config.loss, total_steps=config.train.steps)
     temperature = config.rollout.temperature
     return dataclasses.replace(loss_cfg, temperature=float(temperature) if temperature > 0 else 1.0,
                                norm_len=loss_cfg.norm_len or int(config.rollout.max_new_tokens))
 
 
-def _mini_batches(dev, n_mb: int, group_size: int, rl_step: int):
-    """Split rows into n_mb mini-batches of whole groups (order shuffled per step)."""
-    if n_mb == 1:
-        yield dev
-        return
-    N = dev["tokens"].shape[0]
-    if (N // group_size) % n_mb:
-        raise ValueError(f"optim.mini_batches={n_mb} must divide the {N // group_size} prompt groups per step")
-    groups = np.random.default_rng(rl_step).permutation(N // group_size).reshape(n_mb, -1)
-    for g in groups:
-        rows = (g[:, None] * group_size + np.arange(group_size)).reshape(-1)
-        yield {k: (v if v.ndim == 0 else v[rows]) for k, v in dev.items()}
+def setup_rl(config, mesh, rules, tokenizer, params_override=None) -> tuple[RLContext, Any]:
+    """(the RL context, the train state born sharded) for config on mesh; call under jax.set_mesh(mesh)."""
+    optim = config.optim
+    cfg, params = train_state.load_or_init_params(config, mesh, rules, tokenizer)
+    if params_override is not None:
+        params = jax.device_put(params_override, sharding.param_shardings(cfg, mesh, rules))
+    ref_cfg = cfg.replace(compute_dtype=config.model.ref_dtype)
+    ref_params = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(config.model.ref_dtype), p))(params)
+    loss_cfg = loss_config(config)
+    tx, schedule = train_state.make_optimizer(optim, config.train.steps * optim.num_iterations * optim.mini_batches)
+    state, shardings = train_state.create_state(params, tx, cfg, mesh, rules)
+    step_fn = train_state.make_train_step(cfg, loss_cfg, tx, schedule, config.seed, optim.grad_accum, shardings)
+    ctx = RLContext(cfg=cfg, ref_cfg=ref_cfg, ref_params=ref_params, loss_cfg=loss_cfg, train_step=step_fn,
+                    mesh=mesh, group_size=config.rollout.group_size, max_new_tokens=config.rollout.max_new_tokens,
+                    num_iterations=optim.num_iterations, mini_batches=optim.mini_batches,
+                    logprob_rows=config.train.logprob_rows, seed=config.seed)
+    return ctx, state
 
 
-def _old_log_q(dev, entropy, loss_cfg, rl_step, config):
-    """The guide's log q from the pre-update policy (for terms computed once per RL step, outside the loss)."""
-    from sage_jax import guides
-    key = jax.random.fold_in(jax.random.key(config.seed + 1), rl_step)
-    return guides.compute_log_q(loss_cfg.guide.name, dev["old_logp"], entropy, dev["completion_mask"], key,
-                                loss_cfg.guide, rl_step)
+# --------------------------------------------------------------------------------------------------- the loop
+
+class RLResult(NamedTuple):
+    summary: dict[str, Any]              # what summary.json holds
+    cfg: model_lib.ModelConfig
+    state: Any                           # the final train state, on the mesh
 
 
-def _advantages_with_kl_penalty(ro, dev, entropy, loss_cfg, rl_step, config):
-    """KL as a k1 penalty in the reward: r - beta * sum_t (logp - ref_logp - log q), then group-normalised."""
-    mask = dev["completion_mask"]
-    log_q = _old_log_q(dev, entropy, loss_cfg, rl_step, config)
-    penalty = objectives.kl_reward_penalty(dev["old_logp"], dev["ref_logp"], log_q, mask, loss_cfg.beta)
-    rewards = jnp.asarray(ro["rewards"]) + penalty
-    return objectives.group_advantages(rewards, config.rollout.group_size, scale=loss_cfg.adv_scale,
-                                       eps=loss_cfg.adv_eps, ddof=loss_cfg.std_ddof, estimator=loss_cfg.adv_estimator)
+def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override=None) -> RLResult:
+    """Train with RL from config (on `task`, default tasks.build(config)); resumes from workdir's checkpoints."""
+    os.makedirs(workdir, exist_ok=True)
+    tr, rules = config.train, dict(config.mesh.rules)
+    mesh = sharding.make_mesh(tuple(config.mesh.shape))
+    task = task or tasks.build(config)
+    with jax.set_mesh(mesh), sharding.use_rules(rules):
+        ctx, state = setup_rl(config, mesh, rules, task.tokenizer, params_override)
+        ckpt = checkpoint.Checkpointer(os.path.join(workdir, "rl"), keep=tr.keep_ckpts)
+        state, start = _restore(ckpt, state, workdir)
+        logger = slog.MetricsLogger(workdir, config.to_dict(), use_tensorboard=tr.use_tensorboard,
+                                    use_wandb=tr.use_wandb)
+        summary = Summary(os.path.join(workdir, "summary.json"))
+        with RewardPool(tr.reward or task.reward, num_workers=tr.reward_workers, timeout_s=tr.reward_timeout) as pool:
+            evaluate = lambda params, tag: run_eval(task, ctx.cfg, params, config,
+                                                    os.path.join(workdir, "eval", tag), pool, tag)
+            if config.eval.at_start and task.evals and "before" not in summary.data:
+                summary.update(before=evaluate(state["params"], "before"))
+            collect = functools.partial(collect_rollouts, task, ctx.cfg, config, pool)
+            late, last_good = slog.LateMetrics(), (start if start else None)
+            progress = slog.Progress(total=tr.steps, initial=start, enabled=tr.progress and jax.process_index() == 0)
+            report = lambda m: _report(m, logger, progress, last_good, workdir)
+            for step in range(start, tr.steps):
+                state, metrics, host, ro = rl_step(ctx, state, step, collect)
+                report(late.push(step, metrics))
+                logger.log(step, host)
+                progress.update(step + 1, host)
+                if tr.sample_every and step % tr.sample_every == 0:
+                    logger.log_samples(step, [{"prompt": p, "completion": c, "reward": float(r)} for p, c, r in
+                                              zip(ro["prompts"][:4], ro["texts"][:4], ro["rewards"][:4])])
+                done = step + 1
+                if done % tr.ckpt_every == 0 or done == tr.steps:
+                    report(late.flush())
+                    ckpt.save(done, state, {"rl_step": done, "seed": config.seed})
+                    last_good = done
+                if tr.eval_every and done % tr.eval_every == 0 and done != tr.steps:
+                    res = evaluate(state["params"], f"step{done}")
+                    logger.log(step, {f"eval/{d}/{k}": v for d, r in res["datasets"].items() for k, v in r.items()})
+            report(late.flush())
+            progress.close()
+            ckpt.wait()
+            if config.eval.at_end and task.evals and summary.data.get("after_step") != tr.steps:
+                summary.update(after=evaluate(state["params"], "after"), after_step=tr.steps)
+        if tr.export_hf:
+            model_lib.save_hf(os.path.join(workdir, "hf_export"), ctx.cfg, state["params"])
+        ckpt.close()
+        logger.close()
+    return RLResult(summary.data, ctx.cfg, state)
+
+
+def _restore(ckpt: checkpoint.Checkpointer, state, workdir: str) -> tuple[Any, int]:
+    """(state, first RL step to run): the newest good checkpoint's, or the fresh state and 0."""
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    restored = ckpt.restore(abstract)
+    if restored is None:
+        return state, 0
+    _, state, meta = restored
+    log.info("resumed from %s at RL step %d", os.path.join(workdir, "rl"), int(meta["rl_step"]))
+    return state, int(meta["rl_step"])
 
 
 def _report(metrics, logger, progress, last_good, workdir):
@@ -416,33 +269,60 @@ def _report(metrics, logger, progress, last_good, workdir):
     progress.update(step + 1, values)
 
 
-def _read_summary(path):
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
+# --------------------------------------------------------------------------------------------------- evaluation
+
+def run_eval(task: tasks.Task, cfg, params, config, out_dir: str, pool: RewardPool, tag: str) -> dict[str, Any]:
+    """pass@k on every eval set of the task; returns {dataset: {"pass@k": value}}."""
+    ev = config.eval
+    sampling = dict(max_new_tokens=ev.max_new_tokens or config.rollout.max_new_tokens, temperature=ev.temperature,
+                    top_p=ev.top_p, min_p=ev.min_p)
+    batch_problems = max(1, 256 // ev.n)
+    generate_fn = evaluation.make_generate_fn(cfg, params, task.tokenizer.decode, sampling, config.seed,
+                                              max_rows=batch_problems * ev.n)
+    results = {}
+    for name, examples in task.evals.items():
+        examples = examples[:ev.problems] if ev.problems else examples
+        reward = lambda text, ex: float(pool.score([text], [task.gold(ex)])[0])
+        res = evaluation.evaluate(task.tokenizer, examples, reward, n=ev.n, ks=list(ev.ks),
+                                  out_dir=os.path.join(out_dir, name), template=task.template, run_name=tag,
+                                  generate_fn=generate_fn, batch_problems=batch_problems,
+                                  progress=config.train.progress)
+        results[name] = {f"pass@{k}": v for k, v in res["pass_at_k"].items()}
+    # summary.json layout: the first eval set's pass@k at the top, every set under "datasets"
+    first = next(iter(results.values()), {})
+    return {**first, "datasets": results}
 
 
-def _write_summary(path, summary, primary):
-    """summary.json, and next to it pass_at_k.png: one curve per (phase, eval set) that has been evaluated."""
-    if not primary:
-        return
-    evaluation.write_json(path, {k: v for k, v in summary.items() if k not in ("state", "model_cfg")})
-    curves = {f"{phase}: {name}": {int(k.split("@")[1]): v for k, v in table.items()}
-              for phase in ("before", "after") if phase in summary
-              for name, table in summary[phase].get("datasets", {}).items()}
-    if curves:
-        evaluation.plot_pass_at_k(curves, os.path.join(os.path.dirname(path), "pass_at_k.png"),
-                                  title="pass@k before and after RL")
+class Summary:
+    """summary.json (read at start, rewritten on each update) and next to it pass_at_k.png: one curve per
+    (phase, eval set) that has been evaluated. Only the first process writes."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.data: dict[str, Any] = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                self.data = json.load(f)
+
+    def update(self, **entries: Any) -> None:
+        self.data.update(entries)
+        if jax.process_index() != 0:
+            return
+        evaluation.write_json(self.path, self.data)
+        curves = {f"{phase}: {name}": {int(k.split("@")[1]): v for k, v in table.items()}
+                  for phase in ("before", "after") if phase in self.data
+                  for name, table in self.data[phase].get("datasets", {}).items()}
+        if curves:
+            evaluation.plot_pass_at_k(curves, os.path.join(os.path.dirname(self.path), "pass_at_k.png"),
+                                      title="pass@k before and after RL")
 
 
 def run(config, workdir: str) -> dict[str, Any]:
     """The whole job: optional SFT warm-start, RL, before/after evaluation; prints the final table."""
     params = None
     if config.sft.steps > 0:
-        from sage_jax import supervised
         _, params = supervised.run_sft(config, os.path.join(workdir, "sft"))
-    summary = run_rl(config, workdir, params_override=params)
+    summary = run_rl(config, workdir, params_override=params).summary
     if jax.process_index() == 0 and "after" in summary:
         print(format_summary(summary))
     return summary

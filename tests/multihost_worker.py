@@ -19,8 +19,7 @@ from sage_jax import config as config_lib, sharding, trainer  # noqa: E402
 sharding.initialize_distributed()
 config = config_lib.load("configs/tiny_test.py", ["--config.train.steps=2", "--config.train.ckpt_every=2",
                                                   "--config.mesh.shape=1,-1,1"])
-summary = trainer.run_rl(config, workdir)
-params = sharding.to_host(summary["state"]["params"])
+params = sharding.to_host(trainer.run_rl(config, workdir).state["params"])
 if jax.process_index() == 0:
     leaves = jax.tree.leaves(params)
     print("DIGEST " + json.dumps({"devices": jax.device_count(), "processes": jax.process_count(),

@@ -13,7 +13,7 @@ from sage_jax import evaluate as ev
 from tests.helpers_hf import tiny_hf_model, tiny_tokenizer
 
 PROBLEMS = {"What is 1 + 1?": "2", "What is 2 + 3?": "5", "What is 3 * 3?": "9"}
-REAL_MAKE_GENERATE_FN = ev.make_generate_fn
+REAL_MAKE_GENERATE_FN = evaluation.make_generate_fn
 FAST = ["--n", "4", "--k", "1,2,4", "--max-new-tokens", "8", "--batch-problems", "1", "--reward-workers", "0",
         "--dtype", "float32", "--no-progress"]
 
@@ -62,7 +62,7 @@ def _spy_generate(monkeypatch, fail_on_call: int = 0):
                 raise KeyboardInterrupt
             return fn(prompts, n, pad_to)
         return generate_fn
-    monkeypatch.setattr(ev, "make_generate_fn", make)
+    monkeypatch.setattr(evaluation, "make_generate_fn", make)
     return calls
 
 
@@ -146,7 +146,7 @@ def test_pooled_scores_give_the_unbiased_pass_at_k(hf_dir, tiny_set, tmp_path, m
                             for i in range(n)])
             return out
         return generate_fn
-    monkeypatch.setattr(ev, "make_generate_fn", make)
+    monkeypatch.setattr(evaluation, "make_generate_fn", make)
     monkeypatch.setattr(ev, "load_model", lambda *a, **k: (None, None))
     from sage_jax.rewards.pool import RewardPool
     batches, real_score = [], RewardPool.score
@@ -178,17 +178,17 @@ def test_pooled_scores_give_the_unbiased_pass_at_k(hf_dir, tiny_set, tmp_path, m
 def _countdown_workdir(workdir: Path) -> Path:
     """What trainer.run_rl leaves behind (run config, an RL checkpoint, hf_export), without training."""
     import jax
-    from sage_jax import checkpoint, config as config_lib, model, tasks, trainer
+    from sage_jax import checkpoint, config as config_lib, model, tasks, train_state
     from sage_jax import logging as slog
     config = config_lib.load("configs/tiny_test.py")
-    cfg = trainer.model_config(config, vocab_size=tasks._CountdownTok().vocab_size)
+    cfg = train_state.model_config(config, vocab_size=tasks._CountdownTok().vocab_size)
     rng = np.random.default_rng(3)  # numpy init: compiling model.init_params costs more than this whole test
     params = jax.tree.map(lambda s: (0.3 * rng.standard_normal(s.shape)).astype(s.dtype),
                           jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0))))
     slog.MetricsLogger(workdir, config.to_dict(), use_tensorboard=False).close()
-    tx, _ = trainer.make_optimizer(config.optim, 3)
+    tx, _ = train_state.make_optimizer(config.optim, 3)
     ckpt = checkpoint.Checkpointer(workdir / "rl")
-    ckpt.save(1, jax.jit(lambda p: trainer.init_state(p, tx))(params), {"rl_step": 1})
+    ckpt.save(1, jax.jit(lambda p: train_state.init_state(p, tx))(params), {"rl_step": 1})
     ckpt.close()
     model.save_hf(workdir / "hf_export", cfg, params)
     return workdir

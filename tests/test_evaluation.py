@@ -119,11 +119,11 @@ def test_evaluate_countdown_with_fake_generator_and_resume(tmp_path):
         return generate(prompt_ids, num_samples)
 
     with pytest.raises(RuntimeError):
-        ev.evaluate(None, None, FakeTokenizer(), examples, "countdown", 4, [1, 2, 4], tmp_path, generate_fn=flaky,
+        ev.evaluate(FakeTokenizer(), examples, "countdown", 4, [1, 2, 4], tmp_path, generate_fn=flaky,
                     batch_problems=4, progress=False)
     assert len(ev.read_samples(tmp_path / "samples.jsonl")) == 4
     calls.clear()
-    results = ev.evaluate(None, None, FakeTokenizer(), examples, "countdown", 4, [1, 2, 4], tmp_path,
+    results = ev.evaluate(FakeTokenizer(), examples, "countdown", 4, [1, 2, 4], tmp_path,
                           generate_fn=generate, batch_problems=4, progress=False, run_name="fake")
     assert calls == [2]  # only the two unfinished problems were sampled
     assert results["num_problems"] == 6
@@ -134,7 +134,7 @@ def test_evaluate_countdown_with_fake_generator_and_resume(tmp_path):
     records = ev.read_samples(tmp_path / "samples.jsonl")
     assert records[0]["rewards"] == [0.0] * 4 and records[1]["num_correct"] == 1
     with pytest.raises(ValueError, match="same n"):
-        ev.evaluate(None, None, FakeTokenizer(), examples, "countdown", 8, [1], tmp_path, generate_fn=generate,
+        ev.evaluate(FakeTokenizer(), examples, "countdown", 8, [1], tmp_path, generate_fn=generate,
                     progress=False)
 
 
@@ -148,7 +148,7 @@ def test_evaluate_writes_nothing_on_non_primary_processes(tmp_path, monkeypatch)
     ev.EvalRecorder(tmp_path / "done" / "samples.jsonl").add({"id": "0", "n": 2, "num_correct": 1})
     before = (tmp_path / "done" / "samples.jsonl").read_bytes()
     monkeypatch.setattr(jax, "process_index", lambda: 1)
-    results = ev.evaluate(None, None, FakeTokenizer(), examples, "countdown", 2, [1, 2], tmp_path / "done",
+    results = ev.evaluate(FakeTokenizer(), examples, "countdown", 2, [1, 2], tmp_path / "done",
                           generate_fn=generate, progress=False)
     assert results["num_problems"] == 3 and results["pass_at_k"]["1"] == pytest.approx(1 / 6)  # read the resumed row
     assert (tmp_path / "done" / "samples.jsonl").read_bytes() == before
@@ -157,16 +157,14 @@ def test_evaluate_writes_nothing_on_non_primary_processes(tmp_path, monkeypatch)
 
 def test_evaluate_argument_errors(tmp_path):
     examples = [Example("p", "a", {"id": "1"})]
-    with pytest.raises(ValueError, match="generate_fn"):
-        ev.evaluate(None, None, FakeTokenizer(), examples, "countdown", 2, [1], tmp_path)
     gen = lambda ids, n: [["x"] * n for _ in ids]  # noqa: E731
     with pytest.raises(ValueError, match="k must be"):
-        ev.evaluate(None, None, FakeTokenizer(), examples, "countdown", 2, [4], tmp_path, generate_fn=gen)
+        ev.evaluate(FakeTokenizer(), examples, "countdown", 2, [4], tmp_path, generate_fn=gen)
     with pytest.raises(ValueError, match="unknown reward"):
-        ev.evaluate(None, None, FakeTokenizer(), examples, "nope", 2, [1], tmp_path, generate_fn=gen)
+        ev.evaluate(FakeTokenizer(), examples, "nope", 2, [1], tmp_path, generate_fn=gen)
     with pytest.raises(ValueError, match="expected 2 per prompt"):
-        ev.evaluate(None, None, FakeTokenizer(), examples, lambda t, ex: 1.0, 2, [1], tmp_path,
+        ev.evaluate(FakeTokenizer(), examples, lambda t, ex: 1.0, 2, [1], tmp_path,
                     generate_fn=lambda ids, n: [["x"] for _ in ids], progress=False)
     dup = [Example("p", "a", {"id": "1"}), Example("q", "b", {"id": "1"})]
     with pytest.raises(ValueError, match="unique"):
-        ev.evaluate(None, None, FakeTokenizer(), dup, lambda t, ex: 1.0, 2, [1], tmp_path, generate_fn=gen)
+        ev.evaluate(FakeTokenizer(), dup, lambda t, ex: 1.0, 2, [1], tmp_path, generate_fn=gen)

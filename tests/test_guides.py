@@ -188,7 +188,7 @@ def test_guide_config_from_config_dict():
 
 def test_guide_noise_is_fresh_for_every_micro_batch_mini_batch_and_iteration():
     import optax
-    from sage_jax import trainer
+    from sage_jax import train_state
     guide = guides.GuideConfig(name="random", random_eps=1.0, random_eps_end=1.0, random_std=0.1,
                                random_std_end=0.1)
 
@@ -198,7 +198,7 @@ def test_guide_noise_is_fresh_for_every_micro_batch_mini_batch_and_iteration():
         return jnp.sum(w_NxC * q_NxC), {}
 
     n, c, accum = 8, 3, 4
-    step = trainer.make_train_step(None, None, optax.sgd(1.0), lambda s: 1.0, seed=0, grad_accum=accum,
+    step = train_state.make_train_step(None, None, optax.sgd(1.0), lambda s: 1.0, seed=0, grad_accum=accum,
                                    loss_fn=loss_fn)
     batch = {"row": jnp.arange(n), "rl_step": jnp.int32(5)}
     state = {"step": jnp.int32(0), "params": {"w": jnp.zeros((n, c))}, "opt_state": optax.sgd(1.0).init(None)}

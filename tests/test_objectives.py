@@ -402,7 +402,7 @@ def test_dr_grpo_normaliser_is_the_configured_length_not_the_bucket():
 @pytest.mark.parametrize("aggregation", obj.AGGREGATIONS)
 def test_grad_accumulation_equals_full_batch_with_unequal_lengths(aggregation):
     import optax
-    from sage_jax import trainer
+    from sage_jax import train_state
     logp, entropy, batch = _random_batch(jax.random.PRNGKey(4), n=8, c=6)
     batch["completion_mask"] = (jnp.arange(6)[None] < jnp.array([6, 1, 5, 2, 6, 1, 3, 1])[:, None]).astype(jnp.float32)
     batch["row"] = jnp.arange(8)
@@ -413,7 +413,7 @@ def test_grad_accumulation_equals_full_batch_with_unequal_lengths(aggregation):
 
     grads = []
     for accum in (1, 2, 4):
-        step = trainer.make_train_step(None, loss_cfg, optax.sgd(1.0), lambda s: 1.0, seed=0, grad_accum=accum,
+        step = train_state.make_train_step(None, loss_cfg, optax.sgd(1.0), lambda s: 1.0, seed=0, grad_accum=accum,
                                        loss_fn=loss_fn)
         state = {"step": jnp.int32(0), "params": {"logp": jnp.copy(logp)}, "opt_state": optax.sgd(1.0).init(None)}
         new_state, _ = step(state, {**batch, "rl_step": jnp.int32(0)})

@@ -62,7 +62,7 @@ from sage_jax.plan import FAST_COMPILE_FLAGS
 os.environ["XLA_FLAGS"] = " ".join(["--xla_force_host_platform_device_count=8", *FAST_COMPILE_FLAGS])
 os.environ["JAX_PLATFORMS"] = "cpu"
 import dataclasses, jax, jax.numpy as jnp, numpy as np
-from sage_jax import config as config_lib, objectives, sharding, trainer
+from sage_jax import config as config_lib, objectives, sharding, train_state, trainer
 from sage_jax.rewards.countdown import CountdownTokenizer
 
 config = config_lib.load("configs/tiny_test.py")
@@ -75,13 +75,13 @@ on_device0 = lambda tree: sum(next(s.data.nbytes for s in x.addressable_shards i
 stats = lambda c: {k: getattr(c.memory_analysis(), f"{k}_size_in_bytes") for k in
                    ("argument", "output", "alias", "temp")} | {"code": c.memory_analysis().generated_code_size_in_bytes}
 with jax.set_mesh(mesh), sharding.use_rules(rules):
-    cfg, params = trainer.load_or_init_params(config, mesh, rules, tokenizer)
+    cfg, params = train_state.load_or_init_params(config, mesh, rules, tokenizer)
     shard_sum = sum(int(np.prod(sh.shard_shape(x.shape))) * x.dtype.itemsize for x, sh in zip(
         jax.tree.leaves(params), jax.tree.leaves(sharding.param_shardings(cfg, mesh, rules))))
-    tx, schedule = trainer.make_optimizer(config.optim, config.train.steps)
-    state, shardings = trainer.create_state(jax.tree.map(jnp.copy, params), tx, cfg, mesh, rules)
+    tx, schedule = train_state.make_optimizer(config.optim, config.train.steps)
+    state, shardings = train_state.create_state(jax.tree.map(jnp.copy, params), tx, cfg, mesh, rules)
     loss_cfg = dataclasses.replace(objectives.LossConfig.from_config(config.loss, config.train.steps), temperature=1.0)
-    step = trainer.make_train_step(cfg, loss_cfg, tx, schedule, config.seed, config.optim.grad_accum, shardings)
+    step = train_state.make_train_step(cfg, loss_cfg, tx, schedule, config.seed, config.optim.grad_accum, shardings)
     put = lambda a: jax.device_put(a, sharding.data_sharding(mesh, a.ndim))
     batch = {"tokens": put(np.zeros((N, P + C), np.int32)), "mask": put(np.ones((N, P + C), np.int32)),
              "completion_mask": put(np.ones((N, C), np.float32)), "advantages": put(np.zeros(N, np.float32)),
@@ -91,7 +91,7 @@ with jax.set_mesh(mesh), sharding.use_rules(rules):
     train = stats(step.lower(state, batch).compile())
     ref_cfg = cfg.replace(compute_dtype=config.model.ref_dtype)
     ref_params = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(config.model.ref_dtype), p))(params)
-    ref = stats(trainer.sequence_logprobs_pass.lower(ref_cfg, ref_params, batch["tokens"], batch["mask"], prompt_len=P,
+    ref = stats(train_state.sequence_logprobs_pass.lower(ref_cfg, ref_params, batch["tokens"], batch["mask"], prompt_len=P,
                                                 temperature=1.0).compile())
 print(json.dumps({"params_device0": on_device0(params), "params_shard_sum": shard_sum,
                   "opt_device0": on_device0(state["opt_state"]) + on_device0(state["step"]),

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sage_jax import config as config_lib
-from sage_jax import objectives, trainer
+from sage_jax import objectives, train_state, trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,13 +34,13 @@ def _fake_batch(cfg, N=8, P=6, C=5, seed=0):
 
 def test_one_train_step_changes_params_and_reports_metrics():
     config = _tiny()
-    cfg = trainer.model_config(config, vocab_size=23)
+    cfg = train_state.model_config(config, vocab_size=23)
     params = jax.jit(lambda: __import__("sage_jax.model", fromlist=["x"]).init_params(cfg, jax.random.key(0)))()
     before = jax.tree.map(np.asarray, params)
-    tx, schedule = trainer.make_optimizer(config.optim, 10)
-    state = trainer.init_state(params, tx)
+    tx, schedule = train_state.make_optimizer(config.optim, 10)
+    state = train_state.init_state(params, tx)
     loss_cfg = objectives.LossConfig.from_config(config.loss, total_steps=10)
-    step = trainer.make_train_step(cfg, loss_cfg, tx, schedule, seed=0)
+    step = train_state.make_train_step(cfg, loss_cfg, tx, schedule, seed=0)
     state, metrics = step(state, _fake_batch(cfg))
     metrics = jax.device_get(metrics)
     assert np.isfinite(metrics["loss/total"])
@@ -53,17 +53,17 @@ def test_one_train_step_changes_params_and_reports_metrics():
 
 def test_grad_accumulation_matches_full_batch():
     config = _tiny()
-    cfg = trainer.model_config(config, vocab_size=23)
+    cfg = train_state.model_config(config, vocab_size=23)
     from sage_jax import model
     params = model.init_params(cfg, jax.random.key(0))
-    tx, schedule = trainer.make_optimizer(config.optim, 10)
+    tx, schedule = train_state.make_optimizer(config.optim, 10)
     batch = _fake_batch(cfg)
     # seq-mean-token-mean over equal micro-batches averages to the full-batch value exactly
     loss_cfg = objectives.LossConfig.from_config(config.loss.to_dict() | {"guide": "none"})
     outs = []
     for accum in (1, 2):
-        state = trainer.init_state(jax.tree.map(jnp.copy, params), tx)
-        step = trainer.make_train_step(cfg, loss_cfg, tx, schedule, seed=0, grad_accum=accum)
+        state = train_state.init_state(jax.tree.map(jnp.copy, params), tx)
+        step = train_state.make_train_step(cfg, loss_cfg, tx, schedule, seed=0, grad_accum=accum)
         state, m = step(state, batch)
         outs.append((state["params"], m))
     for key in ("loss/total", "opt/grad_norm", "rl/entropy"):
@@ -99,9 +99,8 @@ def test_dynamic_sampling_filters_groups_on_accuracy_not_on_shaped_rewards(monke
 
     calls = []
     monkeypatch.setattr(trainer.rollouts, "rollout", fake_rollout)
-    loss_cfg = trainer.loss_config(config)
-    cfg = trainer.model_config(config, vocab_size=23)
-    ro, stats = trainer._rl_step_data(Task(), cfg, None, config, 0, Pool(), loss_cfg)
+    cfg = train_state.model_config(config, vocab_size=23)
+    ro, stats = trainer.collect_rollouts(Task(), cfg, config, Pool(), None, 0)
     assert len(calls) == 2 and stats["rl/resample_rounds"] == 1.0
     assert ro["texts"] == ["1", "0", "1", "0"]  # attempt 0's mixed group, then attempt 1's first one
 
@@ -136,7 +135,7 @@ def test_rl_steps_raise_reward_on_fixed_problems(tmp_path):
         with RewardPool("countdown", num_workers=0) as pool:
             return float(pool.score(ro["texts"], ro["golds"]).mean())
     before = mean_reward(params)
-    after = mean_reward(trainer.run_rl(c, str(tmp_path), params_override=params)["state"]["params"])
+    after = mean_reward(trainer.run_rl(c, str(tmp_path), params_override=params).state["params"])
     assert 0.2 < before < 0.95
     assert after > before + 0.02, (before, after)
 
@@ -185,11 +184,10 @@ def test_cli_errors_are_one_clear_line(tmp_path):
 
 def test_summary_writes_json_and_a_before_after_plot(tmp_path):
     table = {"pass@1": 0.25, "pass@4": 0.5}
-    summary = {"before": {**table, "datasets": {"countdown": table}},
-               "after": {**table, "datasets": {"countdown": {"pass@1": 0.3, "pass@4": 0.5}}}, "state": object()}
-    trainer._write_summary(str(tmp_path / "summary.json"), summary, primary=True)
+    summary = trainer.Summary(str(tmp_path / "summary.json"))
+    summary.update(before={**table, "datasets": {"countdown": table}})
+    summary.update(after={**table, "datasets": {"countdown": {"pass@1": 0.3, "pass@4": 0.5}}})
     written = json.loads((tmp_path / "summary.json").read_text())
-    assert written["after"]["datasets"]["countdown"]["pass@1"] == 0.3 and "state" not in written
+    assert written["before"]["pass@1"] == 0.25 and written["after"]["datasets"]["countdown"]["pass@1"] == 0.3
     assert (tmp_path / "pass_at_k.png").read_bytes()[:4] == b"\x89PNG"
-    trainer._write_summary(str(tmp_path / "other" / "summary.json"), summary, primary=False)
-    assert not (tmp_path / "other").exists()
+    assert trainer.Summary(str(tmp_path / "summary.json")).data == written  # a resumed run reads it back

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from sage_jax import config as config_lib
-from sage_jax import evaluation, rollouts, supervised, tasks, trainer
+from sage_jax import evaluation, rollouts, supervised, tasks, train_state, trainer
 from sage_jax.experiments import measure, report, text
 from sage_jax.rewards import countdown
 
@@ -64,21 +64,6 @@ def fingerprint(config, sections: Sequence[str]) -> str:
     picked = {k: d[k] for k in sections}
     picked["experiment"] = {k: d["experiment"][k] for k in ("sft_problems", "ood_problems")}
     return hashlib.sha256(json.dumps(picked, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-@contextlib.contextmanager
-def shared_task(task: tasks.Task) -> Iterator[None]:
-    """SFT and RL runs use this task (so each sees its own part of the training problems, see split_task).
-
-    Also, tasks.build draws the problems from config.seed, which would tie the problem sets to the RL seed (and
-    leak held-out problems into other seeds' training); with the task built once from the base config, config.seed
-    keys only sampling, guides and prompt order."""
-    build = tasks.build
-    tasks.build = lambda config, tokenizer_path="": task
-    try:
-        yield
-    finally:
-        tasks.build = build
 
 
 def use_compile_cache(path: str) -> None:
@@ -135,7 +120,7 @@ def entropy_profile(task, cfg, params, config, taus: Sequence[float]) -> dict[st
     ro = rollouts.rollout(task, cfg, params, task.evals["countdown"][:32], ro_cfg, jax.random.key(12345),
                           config.data.max_prompt_len)
     batch = rollouts.build_batch(ro, np.zeros(len(ro["texts"]), np.float32), cfg.pad_token_id, ro_cfg.max_new_tokens)
-    _, entropy_NxC = trainer.sequence_logprobs(cfg, params, batch["tokens"], batch["mask"],
+    _, entropy_NxC = train_state.sequence_logprobs(cfg, params, batch["tokens"], batch["mask"],
                                                prompt_len=ro["prompt_tokens"].shape[1],
                                                temperature=ro_cfg.temperature or 1.0)
     ent = np.asarray(entropy_NxC)[batch["completion_mask"] > 0]
@@ -159,14 +144,14 @@ def train_base(task, config, work: str, command: str = "") -> tuple[Any, Any, di
         time.sleep(30)
         record = _read(path)
     _check_same(record, fp, path)
-    cfg, params = supervised.run_sft(config, os.path.join(work, "base"))  # restores the finished checkpoint
+    cfg, params = supervised.run_sft(config, os.path.join(work, "base"), task)  # restores the finished checkpoint
     print(f"[base] reusing {os.path.dirname(path)}", flush=True)
     return cfg, jax.device_get(params), record
 
 
 def _train_base(task, config, work: str, command: str, path: str, fp: str) -> tuple[Any, Any, dict[str, Any]]:
     t0, c0 = time.perf_counter(), time.process_time()
-    cfg, params = supervised.run_sft(config, os.path.join(work, "base"))
+    cfg, params = supervised.run_sft(config, os.path.join(work, "base"), task)
     host_params = jax.device_get(params)  # each run gets fresh device buffers from it (the train state is donated)
     sft_s, sft_cpu = time.perf_counter() - t0, time.process_time() - c0
     demos = supervised.demonstrations(config, task)
@@ -241,12 +226,11 @@ def run_one(task, config, base_params, run_dir: str, label: str, command: str = 
 
 def _run_one(task, config, base_params, run_dir: str, label: str, command: str) -> dict[str, Any]:
     t0, c0 = time.perf_counter(), time.process_time()
-    summary = trainer.run_rl(config, run_dir, params_override=base_params)
+    result = trainer.run_rl(config, run_dir, task=task, params_override=base_params)
     train_s, train_cpu = time.perf_counter() - t0, time.process_time() - c0
     t1 = time.perf_counter()
-    evals = evaluate_policy(task, summary["model_cfg"], summary["state"]["params"], config,
-                            jax.random.key(20_000 + config.seed))
-    del summary
+    evals = evaluate_policy(task, result.cfg, result.state["params"], config, jax.random.key(20_000 + config.seed))
+    del result
     curves = measure.training_curves(run_dir)
     steps = [s for s in curves["step_s"][1:] if s is not None]
     times = {"train_wall_s": train_s, "train_cpu_s": train_cpu, "eval_wall_s": time.perf_counter() - t1,
@@ -297,11 +281,11 @@ def run_experiment(out: str, work: str, budget: str, seeds: int | None, arms: Se
         _check_same(base_record, fingerprint(base_config, BASE_SECTIONS), path)
     else:
         sft_task, rl_task = split_task(tasks.build(base_config), base_config.experiment.sft_problems)
-        with shared_task(sft_task):
-            _, base_params, base_record = train_base(sft_task, base_config, work, command)
-        with shared_task(rl_task):
-            for *_, config, run_dir, label in todo:
-                run_one(rl_task, config, base_params, run_dir, label, command)
+        # the task is built once from the base config: tasks.build draws the problems from config.seed, which
+        # would tie the problem sets to the RL seed, so config.seed keys only sampling, guides and prompt order
+        _, base_params, base_record = train_base(sft_task, base_config, work, command)
+        for *_, config, run_dir, label in todo:
+            run_one(rl_task, config, base_params, run_dir, label, command)
     # every finished run, this process's or another's (runs another process still holds are left out)
     for bucket, key, seed, config, run_dir, _ in todo:
         if (record := finished(config, run_dir)) is not None:
@@ -312,7 +296,7 @@ def run_experiment(out: str, work: str, budget: str, seeds: int | None, arms: Se
     wall, cpu = time.perf_counter() - t_start, time.process_time() - c_start
     meta = text.meta(base_config, budget, seeds, list(records), sweep,
                      min(seeds, base_config.experiment.sweep_seeds), command, base_record, records, found["sweep"],
-                     wall, cpu, (load_start, os.getloadavg()), arms_module())
+                     wall, cpu, (load_start, os.getloadavg()), arms_module(), load_config("grpo", "full"))
     results = report.build(base_record, records, found["sweep"], meta)
     report.write(out, results)
     print(f"wrote {os.path.join(out, 'RESULTS.md')} ({wall / 60:.1f} min wall, {cpu / 60:.1f} min CPU)", flush=True)

@@ -59,18 +59,16 @@ def estimate(full, base_record, records, n_arms: int) -> dict[str, float]:
 
 
 def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, sweep_seeds: int, command: str,
-         base_record: Mapping[str, Any], records, sweep_records, wall: float, cpu: float, loads, arms_mod
+         base_record: Mapping[str, Any], records, sweep_records, wall: float, cpu: float, loads, arms_mod, full
          ) -> dict[str, Any]:
-    from sage_jax import trainer
-    from sage_jax.experiments.reproduce import load_config
+    """The report's metadata; `full` is the full-budget GRPO config, for the time estimate of a full run."""
+    from sage_jax import train_state
     from sage_jax.rewards import countdown
     n = int(config.eval.n)
     problems = {s: len(base_record["eval"][s]) for s in SPLITS}
-    full = load_config("grpo", "full")
     est = estimate(full, base_record, records, len(arms_mod.ARMS))
-    cores = os.cpu_count() or 1
     m = config.model
-    num_params = trainer.model_config(config, vocab_size=countdown.CountdownTokenizer().vocab_size).num_params
+    num_params = train_state.model_config(config, vocab_size=countdown.CountdownTokenizer().vocab_size).num_params
     description = (
         "RL from one shared SFT base on countdown (reach a target with + - * / using each given number once; "
         "verifiable, several distinct solutions per problem). The base's SFT demonstrations spread unevenly over "
@@ -109,8 +107,22 @@ def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, swee
              f":grpo,{budget}):")
     hyper = "\n".join(_flat({k: v for k, v in config.to_dict().items() if k not in ("mesh",)}))
     times = arm_times(records)
-    base_t = base_record["times"]
     all_runs = [r for runs in (*records.values(), *sweep_records.values()) for r in runs.values()]
+    timing = _timing(config, full, est, base_record["times"], all_runs, command, wall, cpu, loads)
+    caveats = _caveats(config, seeds)
+    commands = _commands(command, [base_record, *all_runs])
+    sweep_note = (f"{sweep_seeds} seed(s) per cell, otherwise the grpo_branch arm; taus chosen around the base "
+                  "policy's token entropies (see the setup section).")
+    return {"budget": budget, "seeds": seeds, "arms": list(arms), "n": n, "splits": list(SPLITS),
+            "problems": problems, "description": description, "setup": setup, "hyperparameters": hyper,
+            "timing": timing, "caveats": caveats, "commands": commands, "arm_times": times,
+            "demo_shares": base_record.get("demo_shares"), "sweep_note": sweep_note,
+            "base_entropy": ent, "estimate": est, "wall_s": wall, "cpu_s": cpu, "loadavg": [list(l) for l in loads],
+            "sweep": sweep}
+
+
+def _timing(config, full, est, base_t, all_runs, command: str, wall: float, cpu: float, loads) -> str:
+    cores = os.cpu_count() or 1
     rl_s = sum(r["times"]["train_wall_s"] for r in all_runs)
     ev_s = sum(r["times"]["eval_wall_s"] for r in all_runs)
     timing = (("This invocation (--report-only: rendering alone): " if "--report-only" in command else
@@ -132,7 +144,11 @@ def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, swee
                if est['cpu_ratio'] < 0.95 else "")
             + f"; `--sweep` adds {est['sweep_s'] / 3600:.1f} h ({len(full.experiment.sweep_gammas)} x "
               f"{len(full.experiment.sweep_taus)} cells x {full.experiment.sweep_seeds} seed).")
-    caveats = "\n".join([
+    return timing
+
+
+def _caveats(config, seeds: int) -> str:
+    return "\n".join([
         "- A sub-1M-parameter model, a few dozen RL steps and a synthetic task: a test of the mechanism (does "
         "reshaping the anchor keep rare valid modes), not of the paper's numbers.",
         f"- {seeds} seed(s) per arm" + (": no intervals; differences between arms are within what seeds move"
@@ -144,20 +160,15 @@ def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, swee
         "kept (mixed-outcome) groups, so it reads higher than the other arms' and is not comparable with them.",
         "- BNPO here is its token-mean loss aggregation (no beta-normalised advantages).",
         "- The trainer draws countdown problems from config.seed; until config.data has its own seed, every run "
-        "here reuses the base's problem sets (see reproduce.shared_task), so seeds change RL randomness only."])
-    made_by = list(dict.fromkeys(r.get("command") for r in [base_record, *all_runs] if r.get("command")))
-    commands = ["# the runs in this report were made by:", *made_by] + (
+        "here reuses the base's problem sets (see reproduce.run_experiment), so seeds change RL randomness only."])
+
+
+def _commands(command: str, records) -> list[str]:
+    made_by = list(dict.fromkeys(r.get("command") for r in records if r.get("command")))
+    return ["# the runs in this report were made by:", *made_by] + (
         ["# and this report rendered by:", command] if made_by != [command] else []) + [
                 "", "# the budgets (configs/countdown_arms.py BUDGETS) and other uses:",
                 "python -m sage_jax.experiments.reproduce --out docs/results --quick  # 1 seed, short SFT and RL",
                 "python -m sage_jax.experiments.reproduce --out DIR                  # full: 3 seeds, 80 RL steps",
                 "python -m sage_jax.experiments.reproduce --out DIR --sweep          # + Branch gamma x tau grid",
                 "python -m sage_jax.experiments.reproduce --out DIR --report-only    # render what has finished"]
-    sweep_note = (f"{sweep_seeds} seed(s) per cell, otherwise the grpo_branch arm; taus chosen around the base "
-                  "policy's token entropies (see the setup section).")
-    return {"budget": budget, "seeds": seeds, "arms": list(arms), "n": n, "splits": list(SPLITS),
-            "problems": problems, "description": description, "setup": setup, "hyperparameters": hyper,
-            "timing": timing, "caveats": caveats, "commands": commands, "arm_times": times,
-            "demo_shares": base_record.get("demo_shares"), "sweep_note": sweep_note,
-            "base_entropy": ent, "estimate": est, "wall_s": wall, "cpu_s": cpu, "loadavg": [list(l) for l in loads],
-            "sweep": sweep}
