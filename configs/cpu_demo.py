@@ -20,7 +20,7 @@ def get_config(arg=None):
     c.mesh.shape = (1, -1, 1)
     c.data.update(task="countdown", num_train=1000, num_eval=200, max_number=15, max_prompt_len=32, eval="")
     c.rollout.update(prompts_per_step=32, group_size=8, max_new_tokens=24, temperature=1.0, min_p=0.0)
-    c.loss.update(guide="branch", gamma=0.3, tau=1.2, beta=0.05, kl_estimator="k3")
+    c.loss.guide = "branch"
     c.optim.update(lr=2e-4, warmup_steps=5, weight_decay=0.0)
     c.train.update(steps=40, ckpt_every=20, eval_every=0, sample_every=20, reward="countdown", reward_workers=0,
                    keep_ckpts=2)

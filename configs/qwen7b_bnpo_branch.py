@@ -10,5 +10,5 @@ from configs import qwen7b_bnpo
 
 def get_config(arg=None):
     c = qwen7b_bnpo.get_config(arg)
-    c.loss.update(guide="branch", gamma=0.3, tau=1.2)
+    c.loss.guide = "branch"
     return c

@@ -15,6 +15,6 @@ from configs import paper
 
 def get_config(arg=None):
     c = paper.get_config(arg)
-    c.loss.update(eps_low=0.2, eps_high=0.28, aggregation="token-mean")
-    c.train.update(dynamic_sampling=True, max_resample=3, overlong_buffer=512, overlong_penalty=1.0)
+    c.loss.update(eps_high=0.28, aggregation="token-mean")
+    c.train.update(dynamic_sampling=True, overlong_buffer=512)
     return c

@@ -10,5 +10,5 @@ from configs import paper
 
 def get_config(arg=None):
     c = paper.get_config(arg)
-    c.loss.update(guide="random", random_eps=0.1, random_eps_end=0.0, random_std=0.15, random_std_end=0.05)
+    c.loss.guide = "random"  # eps 0.1 -> 0, std 0.15 -> 0.05: the defaults
     return c

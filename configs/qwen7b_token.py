@@ -10,6 +10,5 @@ from configs import paper
 
 def get_config(arg=None):
     c = paper.get_config(arg)
-    c.loss.update(guide="token", token_alpha=0.3, token_alpha_end=0.1, token_sigma=0.25, token_sigma_end=0.1,
-                  token_norm="minmax", token_quantiles=(0.05, 0.95))
+    c.loss.guide = "token"  # alpha 0.3 -> 0.1, sigma 0.25 -> 0.1, min-max in 5-95% quantiles: the defaults
     return c

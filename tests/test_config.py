@@ -37,3 +37,47 @@ def test_paper_main_setting():
     assert (c.loss.guide, c.loss.gamma, c.loss.tau, c.loss.q_min, c.loss.q_max) == ("branch", 0.3, 1.2, 0.6, 1.4)
     assert c.rollout.group_size == 8 and c.rollout.temperature == 1.0 and c.loss.kl_estimator == "k3"
     assert c.data.template == "qwen_math_boxed" and c.data.train == "math_train_l3to5"
+
+
+POD_CONFIGS = [n for n in ALL_CONFIGS if n not in ("cpu_demo", "tiny_test")] + ["paper"]
+
+
+def _literal_settings(path):
+    """(parent config module, [(section, key, value)]) for every literal a config file sets on its parent's config."""
+    import ast
+    tree = ast.parse(open(path).read())
+    parent, settings = None, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get_config" \
+                and isinstance(node.func.value, ast.Name):
+            parent = node.func.value.id
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update":
+            section = node.func.value
+            if isinstance(section, ast.Attribute):
+                settings += [(section.attr, kw.arg, ast.literal_eval(kw.value)) for kw in node.keywords]
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Attribute):
+            target = node.targets[0]
+            if isinstance(target.value, ast.Attribute):
+                try:
+                    settings.append((target.value.attr, target.attr, ast.literal_eval(node.value)))
+                except ValueError:
+                    pass
+    return parent, settings
+
+
+@pytest.mark.parametrize("name", POD_CONFIGS)
+def test_paper_configs_state_only_their_differences(name):
+    """paper.py and every arm set only values their parent config does not already have."""
+    import importlib
+    parent, settings = _literal_settings(f"configs/{name}.py")
+    base = importlib.import_module(f"configs.{parent}").get_config()
+    restated = [f"{s}.{k}={v!r}" for s, k, v in settings
+                if k in base[s] and (tuple(base[s][k]) if isinstance(v, tuple) else base[s][k]) == v]
+    assert not restated, f"configs/{name}.py restates its parent's ({parent}) values: {restated}"
+
+
+def test_branch_arm_differs_from_grpo_only_in_the_guide():
+    grpo, branch = (config_lib.load(f"configs/{n}.py").to_dict() for n in ("qwen7b_grpo", "qwen7b_branch"))
+    diff = {(s, k) for s in grpo for k in (grpo[s] if isinstance(grpo[s], dict) else [None])
+            if (grpo[s][k] if k else grpo[s]) != (branch[s][k] if k else branch[s])}
+    assert diff == {("loss", "guide")}
