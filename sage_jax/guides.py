@@ -53,26 +53,23 @@ class GuideConfig:
             raise ValueError("loss.schedule_steps and loss.schedule_cycles must be >= 1.")
 
     @classmethod
-    def from_config(cls, loss_cfg: Any, total_steps: int | None = None) -> "GuideConfig":
-        """Reads the guide fields of `config.loss` (a ConfigDict, dict or object); absent fields keep defaults."""
+    def from_config(cls, loss_cfg: Mapping[str, Any], total_steps: int | None = None) -> "GuideConfig":
+        """Reads the guide fields of `config.loss` (a ConfigDict or dict; its key for `name` is "guide"); absent
+        fields keep the defaults above, schedule_steps defaults to total_steps."""
         values = {}
         for field in dataclasses.fields(cls):
-            key = "guide" if field.name == "name" else field.name
-            value = _read(loss_cfg, key)
-            if value is not None:
+            key = config_key(field.name)
+            if key in loss_cfg:
+                value = loss_cfg[key]
                 values[field.name] = tuple(value) if field.name == "token_quantiles" else value
         if "schedule_steps" not in values and total_steps is not None:
             values["schedule_steps"] = int(total_steps)
         return cls(**values)
 
 
-def _read(cfg: Any, key: str) -> Any:
-    if isinstance(cfg, Mapping):
-        return cfg.get(key)
-    try:
-        return getattr(cfg, key)
-    except (AttributeError, KeyError):
-        return None
+def config_key(field_name: str) -> str:
+    """The config.loss key of a GuideConfig field."""
+    return "guide" if field_name == "name" else field_name
 
 
 def cosine_cycle_schedule(start: float, end: float, step: jax.Array | int, total_steps: int, cycles: int = 8,
@@ -90,17 +87,9 @@ def cosine_cycle_schedule(start: float, end: float, step: jax.Array | int, total
     return (end + amplitude * 0.5 * (1.0 + jnp.cos(math.pi * phase))).astype(jnp.float32)
 
 
-def _schedule(params: Any, name: str, step) -> jax.Array:
-    return cosine_cycle_schedule(_param(params, name), _param(params, name + "_end"), step,
-                                 _param(params, "schedule_steps"), _param(params, "schedule_cycles"),
-                                 _param(params, "schedule_decay"))
-
-
-def _param(params: Any, name: str) -> Any:
-    value = _read(params, name)
-    if value is None:
-        value = getattr(GuideConfig, name)
-    return value
+def _schedule(guide: GuideConfig, name: str, step) -> jax.Array:
+    return cosine_cycle_schedule(getattr(guide, name), getattr(guide, name + "_end"), step, guide.schedule_steps,
+                                 guide.schedule_cycles, guide.schedule_decay)
 
 
 def masked_quantile(x_NxC: jax.Array, mask_NxC: jax.Array, quantile: float) -> jax.Array:
@@ -145,7 +134,7 @@ def normalize_per_sequence(x_NxC: jax.Array, mask_NxC: jax.Array, method: str = 
 
 
 def compute_q(name: str, logp_NxC: jax.Array, entropy_NxC: jax.Array, mask_NxC: jax.Array,
-              key: jax.Array | None, params: Any, step: jax.Array | int = 0) -> jax.Array:
+              key: jax.Array | None, params: GuideConfig, step: jax.Array | int = 0) -> jax.Array:
     """q per completion token (no gradient, 1 on padding, clamped to [q_min, q_max])."""
     if name not in GUIDES:
         raise ValueError(f"guide {name!r} is unknown; choose one of {GUIDES}.")
@@ -162,18 +151,18 @@ def compute_q(name: str, logp_NxC: jax.Array, entropy_NxC: jax.Array, mask_NxC: 
         perturbed_NxC = jax.random.uniform(flip_key, logp_NxC.shape) < eps
         q_NxC = jnp.where(perturbed_NxC, 1.0 + std * jax.random.normal(noise_key, logp_NxC.shape), 1.0)
     elif name == "token":
-        w_NxC = normalize_per_sequence(-logp_NxC, mask_NxC, _param(params, "token_norm"),
-                                       tuple(_param(params, "token_quantiles")))
+        w_NxC = normalize_per_sequence(-logp_NxC, mask_NxC, params.token_norm,
+                                       params.token_quantiles)
         alpha, sigma = _schedule(params, "token_alpha", step), _schedule(params, "token_sigma", step)
         q_NxC = 1.0 + alpha * w_NxC + sigma * w_NxC * jax.random.normal(key, logp_NxC.shape)
     else:  # branch: lift the anchor where the current policy is uncertain
-        q_NxC = 1.0 + _param(params, "gamma") * jax.nn.relu(entropy_NxC - _param(params, "tau"))
-    q_NxC = jnp.clip(q_NxC, _param(params, "q_min"), _param(params, "q_max"))
+        q_NxC = 1.0 + params.gamma * jax.nn.relu(entropy_NxC - params.tau)
+    q_NxC = jnp.clip(q_NxC, params.q_min, params.q_max)
     return jax.lax.stop_gradient(jnp.where(valid_NxC, q_NxC, 1.0).astype(jnp.float32))
 
 
 def compute_log_q(name: str, logp_NxC: jax.Array, entropy_NxC: jax.Array, mask_NxC: jax.Array,
-                  key: jax.Array | None, params: Any, step: jax.Array | int = 0) -> jax.Array:
+                  key: jax.Array | None, params: GuideConfig, step: jax.Array | int = 0) -> jax.Array:
     """log q per completion token; exactly 0 on padding and for the "none" guide."""
     return jnp.log(compute_q(name, logp_NxC, entropy_NxC, mask_NxC, key, params, step))
 

@@ -226,8 +226,8 @@ class LossConfig:
     mask_truncated: bool = False
     temperature: float = 1.0
     adv_scale: str = "group"
-    adv_eps: float = 1e-6
-    std_ddof: int = 0
+    adv_eps: float = 1e-4  # with std_ddof 1: the reference trainer's torch.std and epsilon
+    std_ddof: int = 1
     adv_estimator: str = "grpo"
     guide: guides.GuideConfig = guides.GuideConfig()
 
@@ -255,12 +255,21 @@ class LossConfig:
         return not self.kl_in_reward and self.kl_estimator != "none" and self.beta > 0
 
     @classmethod
-    def from_config(cls, loss_cfg: Any, total_steps: int | None = None) -> "LossConfig":
+    def from_config(cls, loss_cfg: Mapping[str, Any], total_steps: int | None = None) -> "LossConfig":
         """Builds from `config.loss` (ConfigDict / dict); absent fields keep the defaults above."""
-        get = (lambda k: loss_cfg.get(k)) if isinstance(loss_cfg, Mapping) else (lambda k: getattr(loss_cfg, k, None))
-        values = {f.name: get(f.name) for f in dataclasses.fields(cls) if f.name != "guide"}
-        values = {k: v for k, v in values.items() if v is not None}
+        values = {f.name: loss_cfg[f.name] for f in dataclasses.fields(cls) if f.name != "guide" and f.name in loss_cfg}
         return cls(guide=guides.GuideConfig.from_config(loss_cfg, total_steps), **values)
+
+
+# Set by the trainer from other sections (rollout.temperature, train.steps), so not config.loss keys.
+_DERIVED = ("guide", "temperature", "schedule_steps")
+
+
+def loss_defaults() -> dict[str, Any]:
+    """config.loss's keys and defaults (configs/base.py): LossConfig's and GuideConfig's fields, in one flat dict."""
+    fields = [*dataclasses.fields(LossConfig), *dataclasses.fields(guides.GuideConfig)]
+    defaults = {**dataclasses.asdict(LossConfig()), **dataclasses.asdict(guides.GuideConfig())}
+    return {guides.config_key(f.name): defaults[f.name] for f in fields if f.name not in _DERIVED}
 
 
 def loss_mask(batch: Mapping[str, jax.Array], loss_cfg: LossConfig) -> jax.Array:

@@ -81,3 +81,14 @@ def test_branch_arm_differs_from_grpo_only_in_the_guide():
     diff = {(s, k) for s in grpo for k in (grpo[s] if isinstance(grpo[s], dict) else [None])
             if (grpo[s][k] if k else grpo[s]) != (branch[s][k] if k else branch[s])}
     assert diff == {("loss", "guide")}
+
+
+def test_loss_defaults_have_one_source():
+    """config.loss is built from the dataclasses, so a field's default is written once."""
+    import dataclasses
+    from sage_jax import guides, objectives
+    c = config_lib.load("configs/base.py")
+    loss = objectives.LossConfig.from_config(c.loss)
+    assert dataclasses.replace(loss, guide=dataclasses.replace(loss.guide, schedule_steps=1000)) == \
+        objectives.LossConfig(guide=guides.GuideConfig(schedule_steps=1000))
+    assert set(c.loss) == set(objectives.loss_defaults())
