@@ -68,9 +68,17 @@ def _all_processes(ok: bool) -> bool:
 _EXPECTED_FILES = ("state/_METADATA", "state/manifest.ocdbt", "meta/metadata")
 
 
-def _reason(e: BaseException, step_dir: epath.Path) -> str:
+def _cause_text(e: BaseException, limit: int = 300) -> str:
+    """First line of the error without TensorStore's spec dump; a long one keeps its head and its innermost cause
+    (the end: TensorStore nests "outer: inner: cause"), so "data corruption" or a byte-range error is never cut off."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    reason = f"{type(e).__name__}: {first[:300]}"
+    for marker in (" [tensorstore_spec", " [source locations"):
+        first = first.split(marker)[0]
+    return first if len(first) <= limit else f"{first[:limit // 3]} ... {first[-(2 * limit // 3):]}"
+
+
+def _reason(e: BaseException, step_dir: epath.Path) -> str:
+    reason = f"{type(e).__name__}: {_cause_text(e)}"
     try:
         missing = [f for f in _EXPECTED_FILES if not (step_dir / f).exists()]
     except OSError:
@@ -122,6 +130,34 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         steps = self.all_steps()
         return steps[-1] if steps else None
+
+    def discard_after(self, step: int | None) -> list[int]:
+        """Move the steps newer than `step` (all of them for None) to WORKDIR/checkpoints_corrupt/, so a rerun resumes
+        from `step`; returns the steps moved. For checkpoints whose params turned out to give a non-finite loss."""
+        bad = [s for s in self.all_steps() if step is None or s > step]
+        if bad:
+            self.wait()
+            self._quarantine(bad)
+        return bad
+
+    def check_model(self, model_meta: dict[str, Any]) -> None:
+        """Raise CheckpointError naming every field where the newest checkpoint's model differs from `model_meta`
+        (see model_meta()); checked before restoring, since a restore into other shapes fails deep inside orbax."""
+        step = self.latest_step()
+        if step is None:
+            return
+        try:
+            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        except Exception:  # noqa: BLE001 - an unreadable step is the fallback's business, in restore()
+            return
+        saved = meta.get("model") if isinstance(meta, dict) else None
+        if not isinstance(saved, dict):
+            return  # written before model meta was stored
+        diff = [f"{k}: checkpoint {saved[k]!r}, config {model_meta.get(k)!r}" for k in sorted(saved)
+                if k in model_meta and saved[k] != model_meta[k]]
+        if diff:
+            raise CheckpointError(f"the checkpoints in {self.directory} were made with a different model ("
+                                  f"{'; '.join(diff)}): rerun with the original model config, or use a new --workdir")
 
     # -- restoring ----------------------------------------------------------------------------------------------
     def _restore_step(self, step: int, abstract_state: Any) -> tuple[int, Any, dict[str, Any]]:
@@ -213,9 +249,42 @@ class Checkpointer:
         self._manager.reload()
 
 
-def export_hf(workdir: str | os.PathLike, cfg: Any, params: Any) -> str:
-    """Write params as a Hugging Face model directory WORKDIR/hf_export; returns that path. Call on every process."""
+# ModelConfig fields that decide the shapes and layout of the saved arrays.
+_MODEL_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                 "intermediate_size", "tie_embeddings", "qkv_bias", "param_dtype", "scan_layers")
+
+
+def model_meta(cfg: Any) -> dict[str, Any]:
+    """The model fields a checkpoint stores in its meta under "model", for check_model on restore."""
+    return {k: getattr(cfg, k) for k in _MODEL_FIELDS if hasattr(cfg, k)}
+
+
+def export_hf(workdir: str | os.PathLike, cfg: Any, params: Any, tokenizer: Any = None) -> str:
+    """Write params (and the tokenizer, when given) as a Hugging Face model directory WORKDIR/hf_export, complete
+    enough for AutoTokenizer / AutoModelForCausalLM; returns that path. Call on every process."""
     from sage_jax import model
     out = os.path.join(os.fspath(workdir), "hf_export")
     model.save_hf(out, cfg, params)
+    if tokenizer is not None and jax.process_index() == 0:
+        hf_tokenizer(tokenizer).save_pretrained(out)
     return out
+
+
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """A transformers tokenizer for the project's tokenizers: the wrapped HF one, or the countdown character vocab
+    rebuilt as a fast tokenizer (same ids, <bos> prepended like its encode())."""
+    if getattr(tokenizer, "hf", None) is not None:
+        return tokenizer.hf
+    from sage_jax.rewards.countdown import CountdownTokenizer
+    chars = getattr(tokenizer, "_tok", tokenizer)
+    if not isinstance(chars, CountdownTokenizer):
+        raise ValueError(f"cannot export a tokenizer of type {type(tokenizer).__name__}: pass an HF tokenizer wrapper "
+                         "(sage_jax.tokenizer.Tokenizer) or the countdown tokenizer")
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    pad, bos, eos = (chars.itos[i] for i in (chars.pad_id, chars.bos_id, chars.eos_id))
+    tok = Tokenizer(models.WordLevel({s: i for i, s in enumerate(chars.itos)}, unk_token=pad))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, chars.bos_id)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad)

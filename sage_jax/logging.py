@@ -232,14 +232,16 @@ class NonFiniteLossError(RuntimeError):
 
 def check_finite(step: int, metrics: Mapping[str, Any], last_good_checkpoint_step: int | None,
                  workdir: str | os.PathLike | None = None) -> None:
-    """Raise NonFiniteLossError if any "loss" or "loss/*" metric is NaN/Inf (metrics are host values)."""
-    bad = sorted(k for k, v in metrics.items()
-                 if (k == "loss" or k.startswith("loss/")) and not math.isfinite(_scalar(k, v)))
+    """Raise NonFiniteLossError if any "loss", "loss/*" or "opt/grad_norm" metric is NaN/Inf, or the step's update
+    was dropped as non-finite ("opt/nonfinite_update" > 0); metrics are host values."""
+    watched = lambda k: k == "loss" or k.startswith("loss/") or k == "opt/grad_norm"
+    bad = sorted(k for k, v in metrics.items() if watched(k) and not math.isfinite(_scalar(k, v)))
+    bad += [k for k, v in metrics.items() if k == "opt/nonfinite_update" and _scalar(k, v) > 0]
     if not bad:
         return
     where = os.path.join(os.fspath(workdir), "checkpoints") if workdir is not None else "the workdir's checkpoints"
     if last_good_checkpoint_step is None:
-        resume = (f"no checkpoint saved yet in {where} (restart from scratch, e.g. with a lower learning rate)")
+        resume = (f"no good checkpoint in {where} (restart from scratch, e.g. with a lower learning rate)")
     else:
         resume = (f"last good checkpoint: step {last_good_checkpoint_step} in {where} "
                   f"(restart to resume from it, e.g. with a lower learning rate)")

@@ -19,6 +19,7 @@ import numpy as np
 import optax
 
 from sage_jax import model as model_lib
+from sage_jax import config as config_lib
 from sage_jax import checkpoint, evaluation, objectives, rollouts, sampler, sharding, tasks
 from sage_jax import logging as slog
 from sage_jax.rewards.pool import RewardPool
@@ -60,7 +61,8 @@ def load_or_init_params(config, mesh, rules, tokenizer=None, path: str | None = 
         init = jax.jit(functools.partial(model_lib.init_params, cfg), out_shardings=shardings)
         params = init(jax.random.key(config.seed))
     if tokenizer is not None:
-        cfg = cfg.replace(eos_token_ids=tuple(tokenizer.eos_ids), pad_token_id=int(tokenizer.pad_id))
+        cfg = cfg.replace(eos_token_ids=tuple(tokenizer.eos_ids), pad_token_id=int(tokenizer.pad_id),
+                          bos_token_id=getattr(tokenizer, "bos_id", cfg.bos_token_id))
     return cfg, params
 
 
@@ -141,11 +143,51 @@ def make_train_step(cfg, loss_cfg: objectives.LossConfig, tx, schedule, seed: in
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = dict(metrics, **{"opt/grad_norm": optax.tree.norm(grads), "opt/lr": schedule(state["step"])})
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        return keep_if_finite(state, new_state, grads, metrics)
 
     if shardings is None:
         return jax.jit(train_step, donate_argnums=0)
     return jax.jit(train_step, donate_argnums=0, in_shardings=(shardings, None), out_shardings=(shardings, None))
+
+
+def keep_if_finite(state, new_state, grads, metrics):
+    """(new_state, metrics), or the old state if the gradients or the updated state hold a NaN/Inf: a non-finite
+    update is never kept (nor saved); metrics["opt/nonfinite_update"] = 1 tells the host loop to stop."""
+    floats = [x for x in jax.tree.leaves((grads, new_state)) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats]))
+    kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+    return kept, dict(metrics, **{"opt/nonfinite_update": 1.0 - finite.astype(jnp.float32)})
+
+
+class FiniteWatch:
+    """Which checkpoint is known good, and what to do when a loss turns NaN/Inf.
+
+    A checkpoint is saved before its params are used, so a finite state can still be one whose next loss is NaN
+    (e.g. a huge learning rate). A saved step counts as good once a later step's metrics are finite; on a non-finite
+    step the checkpoints not yet proven good are moved aside, so the step the error names is the one a rerun resumes.
+    """
+
+    def __init__(self, ckpt: checkpoint.Checkpointer, good: int | None):
+        self.ckpt, self.good, self._unproven = ckpt, good, []
+
+    def saved(self, step: int) -> None:
+        self._unproven.append(step)
+
+    def check(self, step: int, values) -> None:
+        """values: host metrics of `step`, whose loss was computed with the params after `step` steps."""
+        try:
+            slog.check_finite(step, values, self.good, workdir=self.ckpt.workdir)
+        except slog.NonFiniteLossError:
+            moved = self.ckpt.discard_after(self.good)
+            if moved:
+                log.warning("moved checkpoint steps %s, whose params led to the non-finite loss, to %s", moved,
+                            os.path.join(self.ckpt.workdir, "checkpoints_corrupt"))
+            raise
+        proven = [s for s in self._unproven if s <= step]
+        if proven:
+            self.good = max(proven)
+            self._unproven = [s for s in self._unproven if s > step]
 
 
 def sequence_logprobs(cfg, params, tokens_NxT, mask_NxT, *, prompt_len: int, temperature: float,
@@ -245,6 +287,7 @@ def _rl_step_data(task, cfg, params, config, rl_step, pool, loss_cfg):
 
 def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
     """Train with RL from config; resumes from workdir's checkpoints. Returns the summary dict."""
+    config_lib.validate(config)
     os.makedirs(workdir, exist_ok=True)
     primary = jax.process_index() == 0
     tr, ro_cfg, optim = config.train, config.rollout, config.optim
@@ -268,6 +311,7 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
 
         # restore
         ckpt = checkpoint.Checkpointer(os.path.join(workdir, "rl"), keep=tr.keep_ckpts)
+        ckpt.check_model(checkpoint.model_meta(cfg))
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         restored = ckpt.restore(abstract)
         start = 0
@@ -282,16 +326,17 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
         summary_path = os.path.join(workdir, "summary.json")
         summary = _read_summary(summary_path)
         with RewardPool(tr.reward if tr.reward else task.reward, num_workers=tr.reward_workers,
-                        timeout_s=tr.reward_timeout) as pool:
+                        timeout_s=tr.reward_timeout, memory_mb=tr.get("reward_memory_mb", 4096)) as pool:
             if config.eval.at_start and "before" not in summary and task.evals:
                 summary["before"] = run_eval(task, cfg, state["params"], config,
                                              os.path.join(workdir, "eval", "before"), pool, "before")
                 _write_summary(summary_path, summary, primary)
             progress = slog.Progress(total=tr.steps, initial=start, enabled=tr.progress and primary)
-            last_good = start if restored is not None else None
+            watch = FiniteWatch(ckpt, start if restored is not None else None)
             for rl_step in range(start, tr.steps):
                 t0 = time.perf_counter()
                 ro, stats = _rl_step_data(task, cfg, state["params"], config, rl_step, pool, loss_cfg)
+                stats.update(pool.take_counts())
                 t_rollout = time.perf_counter() - t0
                 adv = objectives.group_advantages(jnp.asarray(ro["rewards"]), ro_cfg.group_size,
                                                   scale=loss_cfg.adv_scale, eps=loss_cfg.adv_eps,
@@ -321,7 +366,7 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
                 host.update({"time/update_s": time.perf_counter() - t1, "time/step_s": step_time,
                              "perf/tokens_per_s": float(batch["mask"].sum()) / step_time})
                 if previous is not None:
-                    _report(previous, logger, progress, last_good, workdir)
+                    _report(previous, logger, progress, watch)
                 logger.log(rl_step, host)
                 progress.update(rl_step + 1, host)
                 if tr.sample_every and rl_step % tr.sample_every == 0:
@@ -329,15 +374,16 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
                                                  zip(ro["prompts"][:4], ro["texts"][:4], ro["rewards"][:4])])
                 done = rl_step + 1
                 if done % tr.ckpt_every == 0 or done == tr.steps:
-                    _report(late.flush(), logger, progress, last_good, workdir)
-                    ckpt.save(done, state, {"rl_step": done, "seed": config.seed})
-                    last_good = done
+                    _report(late.flush(), logger, progress, watch)
+                    ckpt.save(done, state, {"rl_step": done, "seed": config.seed,
+                                            "model": checkpoint.model_meta(cfg)})
+                    watch.saved(done)
                 if tr.eval_every and done % tr.eval_every == 0 and done != tr.steps:
                     res = run_eval(task, cfg, state["params"], config, os.path.join(workdir, "eval", f"step{done}"),
                                    pool, f"step{done}")
                     logger.log(rl_step, {f"eval/{d}/{k}": v for d, r in res["datasets"].items()
                                          for k, v in r.items()})
-            _report(late.flush(), logger, progress, last_good, workdir)
+            _report(late.flush(), logger, progress, watch)
             progress.close()
             ckpt.wait()
             if config.eval.at_end and task.evals and ("after" not in summary or summary.get("after_step") != tr.steps):
@@ -346,7 +392,7 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
                 summary["after_step"] = tr.steps
                 _write_summary(summary_path, summary, primary)
         if tr.export_hf:
-            model_lib.save_hf(os.path.join(workdir, "hf_export"), cfg, state["params"])
+            checkpoint.export_hf(workdir, cfg, state["params"], task.tokenizer)
         ckpt.close()
         logger.close()
     summary["state"] = state
@@ -388,11 +434,11 @@ def _advantages_with_kl_penalty(ro, dev, entropy, loss_cfg, rl_step, config):
                                        eps=loss_cfg.adv_eps, ddof=loss_cfg.std_ddof, estimator=loss_cfg.adv_estimator)
 
 
-def _report(metrics, logger, progress, last_good, workdir):
+def _report(metrics, logger, progress, watch: FiniteWatch):
     if metrics is None:
         return
     step, values = metrics
-    slog.check_finite(step, values, last_good, workdir=os.path.join(workdir, "rl"))
+    watch.check(step, values)
     logger.log(step, values)
     progress.update(step + 1, values)
 
@@ -400,8 +446,16 @@ def _report(metrics, logger, progress, last_good, workdir):
 def _read_summary(path):
     if not os.path.exists(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); delete it to recompute the before/after evaluations"
+                         ) from None
+    if not isinstance(summary, dict):
+        raise ValueError(f"{path} holds a {type(summary).__name__}, not a JSON object; delete it to recompute the "
+                         "before/after evaluations")
+    return summary
 
 
 def _write_summary(path, summary, primary):

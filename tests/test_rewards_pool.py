@@ -18,6 +18,10 @@ def echo_or_hang(completion, gold):
         raise RuntimeError("checker bug")
     if completion == "EXIT":
         os._exit(3)
+    if completion == "MEM":
+        hog = []
+        while True:
+            hog.append(bytearray(64 << 20))
     if completion == "JAX?":
         return float("jax" in sys.modules)
     return float(completion == gold)
@@ -52,13 +56,29 @@ def test_hang_is_killed_and_others_score():
         np.testing.assert_array_equal(pool.score(["p", "q"], ["p", "z"]), [1, 0])
 
 
-def test_inline_pool_soft_timeout():
-    with RewardPool(echo_or_hang, num_workers=0, timeout_s=0.3) as pool:
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_hanging_memory_hungry_and_crashing_items_score_zero_within_the_bound(num_workers):
+    limit = 4.0  # well above the time "MEM" takes to reach the cap on a loaded machine
+    with RewardPool(echo_or_hang, num_workers=num_workers, timeout_s=limit, memory_mb=512) as pool:
+        pool.score(["a"], ["a"])  # start-up done, so the timing below measures scoring only
+        assert pool.take_counts() == {"rl/reward_timeouts": 0.0, "rl/reward_errors": 0.0}
         start = time.monotonic()
-        rewards = pool.score(["a", "HANG", "RAISE", "b"], ["a", "", "", "c"])
-        assert time.monotonic() - start < 3.0
-        np.testing.assert_array_equal(rewards, [1, 0, 0, 0])
-        assert pool.stats["timeouts"] == 1 and pool.stats["errors"] == 1
+        rewards = pool.score(["a", "HANG", "MEM", "RAISE", "EXIT", "b"], ["a", "", "", "", "", "b"])
+        elapsed = time.monotonic() - start
+        np.testing.assert_array_equal(rewards, [1, 0, 0, 0, 0, 1])
+        # one hang costs one limit; each replaced worker costs one start-up (a few seconds on a loaded machine)
+        assert elapsed < limit + 3 * 10.0
+        assert pool.take_counts() == {"rl/reward_timeouts": 1.0, "rl/reward_errors": 3.0}
+        np.testing.assert_array_equal(pool.score(["p", "q"], ["p", "z"]), [1, 0])  # the pool goes on
+        assert pool.take_counts() == {"rl/reward_timeouts": 0.0, "rl/reward_errors": 0.0}
+
+
+def test_many_failures_warn(caplog):
+    with RewardPool(echo_or_hang, num_workers=1, timeout_s=5.0) as pool:
+        with caplog.at_level("WARNING", logger="sage_jax"):
+            pool.score(["RAISE", "RAISE", "a"], ["", "", "a"])
+            pool.take_counts()
+    assert any("2 of 3 items" in r.getMessage() for r in caplog.records)
 
 
 def test_math_and_kk_by_name():
