@@ -183,7 +183,8 @@ class FiniteWatch:
             if moved:
                 log.warning("moved checkpoint steps %s, whose params led to the non-finite loss, to %s", moved,
                             os.path.join(self.ckpt.workdir, "checkpoints_corrupt"))
-            raise
+            left = self.ckpt.all_steps()  # `keep` may have pruned the good step itself
+            slog.check_finite(step, values, left[-1] if left else None, workdir=self.ckpt.workdir)
         proven = [s for s in self._unproven if s <= step]
         if proven:
             self.good = max(proven)
@@ -321,7 +322,7 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
             log.info("resumed from %s at RL step %d", os.path.join(workdir, "rl"), start)
 
         logger = slog.MetricsLogger(workdir, config.to_dict(), use_tensorboard=tr.use_tensorboard,
-                                    use_wandb=tr.use_wandb)
+                                    use_wandb=tr.use_wandb, resume_step=start)
         late = slog.LateMetrics()
         summary_path = os.path.join(workdir, "summary.json")
         summary = _read_summary(summary_path)
