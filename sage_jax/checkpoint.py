@@ -280,11 +280,18 @@ def hf_tokenizer(tokenizer: Any) -> Any:
     if not isinstance(chars, CountdownTokenizer):
         raise ValueError(f"cannot export a tokenizer of type {type(tokenizer).__name__}: pass an HF tokenizer wrapper "
                          "(sage_jax.tokenizer.Tokenizer) or the countdown tokenizer")
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    # a byte-level BPE without merges: one token per character, in the form Qwen2's tokenizer class (which
+    # transformers picks from config.json's model_type) rebuilds its pipeline from, so the ids stay the same
+    byte_char = bytes_to_unicode()
+    specials = set(chars.SPECIALS)
+    vocab = {(s if s in specials else byte_char[ord(s)]): i for i, s in enumerate(chars.itos)}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True) for s in chars.SPECIALS])
     pad, bos, eos = (chars.itos[i] for i in (chars.pad_id, chars.bos_id, chars.eos_id))
-    tok = Tokenizer(models.WordLevel({s: i for i, s in enumerate(chars.itos)}, unk_token=pad))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
-    tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, chars.bos_id)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
+                                   add_bos_token=True)
