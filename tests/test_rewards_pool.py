@@ -113,3 +113,30 @@ def test_score_from_threads_and_errors():
             np.testing.assert_array_equal(results[k], [1, 0])
     with pytest.raises(ValueError, match="closed"):
         pool.score(["a"], ["a"])
+
+
+def hang_once_or_raise(completion, gold):
+    """Test-only reward for a whole run: the first item ever scored hangs, odd-length completions raise."""
+    marker = os.environ["SAGE_TEST_HANG_MARKER"]
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        while True:
+            pass
+    if len(completion) % 2:
+        raise ValueError("odd")
+    return 0.0
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_run_goes_on_past_hanging_and_failing_rewards(tmp_path, monkeypatch, num_workers):
+    import json
+    from sage_jax import config as config_lib, trainer
+    monkeypatch.setenv("SAGE_TEST_HANG_MARKER", str(tmp_path / "hung"))
+    config = config_lib.load("configs/tiny_test.py", [
+        "--config.train.steps=1", f"--config.train.reward_workers={num_workers}", "--config.train.reward_timeout=2",
+        f"--config.train.reward={__name__}:hang_once_or_raise"])
+    trainer.run_rl(config, str(tmp_path / "run"))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    host = next(r for r in rows if "rl/reward_timeouts" in r)
+    assert host["rl/reward_timeouts"] == 1.0 and host["rl/reward_errors"] >= 1.0
+    assert (tmp_path / "run" / "rl" / "checkpoints" / "1").is_dir()
