@@ -19,6 +19,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from sage_jax import logging as slog
+
 log = pylogging.getLogger(__name__)
 
 _ITEMS = ("state", "meta")
@@ -247,6 +249,37 @@ class Checkpointer:
             from jax.experimental import multihost_utils
             multihost_utils.sync_global_devices("sage_jax.checkpoint.quarantine")
         self._manager.reload()
+
+
+class FiniteWatch:
+    """Which checkpoint is known good, and what to do when a loss turns NaN/Inf.
+
+    A checkpoint is saved before its params are used, so a finite state can still be one whose next loss is NaN
+    (e.g. a huge learning rate). A saved step counts as good once a later step's metrics are finite; on a non-finite
+    step the checkpoints not yet proven good are moved aside, so the step the error names is the one a rerun resumes.
+    """
+
+    def __init__(self, ckpt: Checkpointer, good: int | None):
+        self.ckpt, self.good, self._unproven = ckpt, good, []
+
+    def saved(self, step: int) -> None:
+        self._unproven.append(step)
+
+    def check(self, step: int, values) -> None:
+        """values: host metrics of `step`, whose loss was computed with the params after `step` steps."""
+        try:
+            slog.check_finite(step, values, self.good, workdir=self.ckpt.workdir)
+        except slog.NonFiniteLossError:
+            moved = self.ckpt.discard_after(self.good)
+            if moved:
+                log.warning("moved checkpoint steps %s, whose params led to the non-finite loss, to %s", moved,
+                            os.path.join(self.ckpt.workdir, "checkpoints_corrupt"))
+            left = self.ckpt.all_steps()  # `keep` may have pruned the good step itself
+            slog.check_finite(step, values, left[-1] if left else None, workdir=self.ckpt.workdir)
+        proven = [s for s in self._unproven if s <= step]
+        if proven:
+            self.good = max(proven)
+            self._unproven = [s for s in self._unproven if s > step]
 
 
 # ModelConfig fields that decide the shapes and layout of the saved arrays.

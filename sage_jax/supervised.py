@@ -100,7 +100,7 @@ def run_sft(config, workdir: str):
         if restored is not None:
             start, state, _ = restored
             log.info("SFT resumed at step %d from %s", start, workdir)
-        watch = trainer.FiniteWatch(ckpt, start if restored is not None else None)
+        watch = checkpoint.FiniteWatch(ckpt, start if restored is not None else None)
         logger = slog.MetricsLogger(workdir, use_tensorboard=config.train.use_tensorboard, resume_step=start)
         progress = slog.Progress(total=s.steps, initial=start, enabled=config.train.progress, desc="sft")
         rng = np.random.default_rng(config.seed)

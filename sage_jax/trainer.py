@@ -160,37 +160,6 @@ def keep_if_finite(state, new_state, grads, metrics):
     return kept, dict(metrics, **{"opt/nonfinite_update": 1.0 - finite.astype(jnp.float32)})
 
 
-class FiniteWatch:
-    """Which checkpoint is known good, and what to do when a loss turns NaN/Inf.
-
-    A checkpoint is saved before its params are used, so a finite state can still be one whose next loss is NaN
-    (e.g. a huge learning rate). A saved step counts as good once a later step's metrics are finite; on a non-finite
-    step the checkpoints not yet proven good are moved aside, so the step the error names is the one a rerun resumes.
-    """
-
-    def __init__(self, ckpt: checkpoint.Checkpointer, good: int | None):
-        self.ckpt, self.good, self._unproven = ckpt, good, []
-
-    def saved(self, step: int) -> None:
-        self._unproven.append(step)
-
-    def check(self, step: int, values) -> None:
-        """values: host metrics of `step`, whose loss was computed with the params after `step` steps."""
-        try:
-            slog.check_finite(step, values, self.good, workdir=self.ckpt.workdir)
-        except slog.NonFiniteLossError:
-            moved = self.ckpt.discard_after(self.good)
-            if moved:
-                log.warning("moved checkpoint steps %s, whose params led to the non-finite loss, to %s", moved,
-                            os.path.join(self.ckpt.workdir, "checkpoints_corrupt"))
-            left = self.ckpt.all_steps()  # `keep` may have pruned the good step itself
-            slog.check_finite(step, values, left[-1] if left else None, workdir=self.ckpt.workdir)
-        proven = [s for s in self._unproven if s <= step]
-        if proven:
-            self.good = max(proven)
-            self._unproven = [s for s in self._unproven if s > step]
-
-
 def sequence_logprobs(cfg, params, tokens_NxT, mask_NxT, *, prompt_len: int, temperature: float,
                       rows_per_pass: int = 0):
     """(logp, entropy) [N, C] of the completion tokens (positions prompt_len..T-1) under `params`.
@@ -333,7 +302,7 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
                                              os.path.join(workdir, "eval", "before"), pool, "before")
                 _write_summary(summary_path, summary, primary)
             progress = slog.Progress(total=tr.steps, initial=start, enabled=tr.progress and primary)
-            watch = FiniteWatch(ckpt, start if restored is not None else None)
+            watch = checkpoint.FiniteWatch(ckpt, start if restored is not None else None)
             for rl_step in range(start, tr.steps):
                 t0 = time.perf_counter()
                 ro, stats = _rl_step_data(task, cfg, state["params"], config, rl_step, pool, loss_cfg)
@@ -435,7 +404,7 @@ def _advantages_with_kl_penalty(ro, dev, entropy, loss_cfg, rl_step, config):
                                        eps=loss_cfg.adv_eps, ddof=loss_cfg.std_ddof, estimator=loss_cfg.adv_estimator)
 
 
-def _report(metrics, logger, progress, watch: FiniteWatch):
+def _report(metrics, logger, progress, watch: checkpoint.FiniteWatch):
     if metrics is None:
         return
     step, values = metrics
