@@ -39,7 +39,9 @@ def main_guard(fn: Callable[[], int | None]) -> None:
         sys.exit(fn() or 0)
     except KeyboardInterrupt:
         print("\ninterrupted: rerun the same command to resume from the last checkpoint", file=sys.stderr)
-        _exit_now(130)
+        if getattr(fn, "__module__", None) == "__main__":  # a `python -m` run, not a caller in this process
+            _exit_now(130)
+        sys.exit(130)
     except (config_lib.ConfigError, NonFiniteLossError, CheckpointError, *USER_ERRORS) as e:
         if os.environ.get("SAGE_DEBUG"):
             traceback.print_exc()
