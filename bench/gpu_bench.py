@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from sage_jax import model, objectives, sampler, sharding, trainer  # noqa: E402
+from sage_jax import model, objectives, sampler, sharding, train_state  # noqa: E402
 
 
 def timed(fn, repeats: int) -> float:
@@ -55,10 +55,10 @@ def bench_train(cfg, rows: int, seq: int, completion: int, grad_accum: int, peak
         import ml_collections
         optim = ml_collections.ConfigDict(dict(lr=1e-6, schedule="constant", warmup_steps=0, weight_decay=0.01,
                                                grad_clip=1.0, b1=0.9, b2=0.999, eps=1e-8))
-        tx, schedule = trainer.make_optimizer(optim, 100)
-        state, shardings = trainer.create_state(params, tx, cfg, mesh, rules)
+        tx, schedule = train_state.make_optimizer(optim, 100)
+        state, shardings = train_state.create_state(params, tx, cfg, mesh, rules)
         loss_cfg = objectives.LossConfig(guide=objectives.guides.GuideConfig(name="branch"))
-        step = trainer.make_train_step(cfg, loss_cfg, tx, schedule, 0, grad_accum, shardings)
+        step = train_state.make_train_step(cfg, loss_cfg, tx, schedule, 0, grad_accum, shardings)
         rng = np.random.default_rng(0)
         P = seq - completion
         batch = {"tokens": rng.integers(0, cfg.vocab_size, (rows, seq), dtype=np.int32),

@@ -60,4 +60,6 @@ def get_config(arg=None):
         steps=0, lr=1e-3, warmup_steps=20, batch_size=64, data="countdown", prompt_field="prompt",
         completion_field="completion", mode_weights=ml_collections.ConfigDict(
             dict(mul=0.7, add=0.2, sub=0.07, div=0.03)), num_demos=4000))
+    c.train.reward_memory_mb = 4096  # address-space cap per reward worker (0 = none)
+    c.sft.ckpt_every = 100  # SFT checkpoint period in steps; a rerun resumes from the newest
     return c

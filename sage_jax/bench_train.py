@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from sage_jax import guides, model, objectives, rollouts, sampler, trainer
+from sage_jax import guides, model, objectives, rollouts, sampler, train_state
 
 MODES: dict[str, Callable[[argparse.Namespace], list[dict]]] = {}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -152,12 +152,12 @@ def preset_config(preset: str, dtype: str, **overrides) -> model.ModelConfig:
 
 def lowered_train_step(cfg: model.ModelConfig, loss_cfg: objectives.LossConfig, rows: int, prompt_len: int,
                        completion_len: int, seed: int = 0):
-    """(tx, trainer.make_train_step lowered for these shapes); nothing is allocated."""
-    tx, schedule = trainer.make_optimizer(OPTIM, 1000)
-    abstract = jax.eval_shape(lambda: trainer.init_state(model.init_params(cfg, jax.random.key(seed)), tx))
+    """(tx, train_state.make_train_step lowered for these shapes); nothing is allocated."""
+    tx, schedule = train_state.make_optimizer(OPTIM, 1000)
+    abstract = jax.eval_shape(lambda: train_state.init_state(model.init_params(cfg, jax.random.key(seed)), tx))
     batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype),
                          random_loss_batch(cfg, rows, prompt_len, completion_len))
-    return tx, trainer.make_train_step(cfg, loss_cfg, tx, schedule, seed).lower(abstract, batch)
+    return tx, train_state.make_train_step(cfg, loss_cfg, tx, schedule, seed).lower(abstract, batch)
 
 
 @functools.lru_cache(maxsize=32)
@@ -175,7 +175,7 @@ def _train_runner(cfg: model.ModelConfig, rows: int, prompt_len: int, completion
     tx, compiled = compiled_train_step(cfg, loss_cfg, rows, prompt_len, completion_len, seed)
     if params is None:
         params = jax.jit(model.init_params, static_argnums=0)(cfg, jax.random.key(seed))
-    box = {"state": trainer.init_state(params, tx)}
+    box = {"state": train_state.init_state(params, tx)}
     fixed = jax.device_put(random_loss_batch(cfg, rows, prompt_len, completion_len, seed))
 
     def run(batch=None):
@@ -208,7 +208,7 @@ def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
 def bench_train_step(preset: str = "tiny", dtype: str = "fp32", rows: int = 64, prompt_len: int = 32,
                      completion_len: int = 128, repeats: int = 3, variants: dict[str, dict] | None = None,
                      peak_size: int = 2048, seed: int = 0) -> list[dict]:
-    """Tokens/s and FLOP/s of trainer.make_train_step (SAGE loss, AdamW) per variant, against the matmul peak."""
+    """Tokens/s and FLOP/s of train_state.make_train_step (SAGE loss, AdamW) per variant, against the matmul peak."""
     variants = variants or {"default": {}}
     peak_fn, peak_flops = matmul_peak_fn(dtype, peak_size)
     fns, info = {"matmul_peak": peak_fn}, {}
@@ -303,7 +303,7 @@ def _sage_rl_runner(cfg: model.ModelConfig, params, prompts_BxP: np.ndarray, gro
     B, P = prompts_BxP.shape
     tx, train_step = compiled_train_step(cfg, loss_cfg, B * group, sampler.prompt_bucket(P), new_tokens, seed)
     ref_params = jax.tree.map(jnp.copy, params)
-    box = {"state": trainer.init_state(jax.tree.map(jnp.copy, params), tx), "step": 0}
+    box = {"state": train_state.init_state(jax.tree.map(jnp.copy, params), tx), "step": 0}
     prompts = prompts_BxP.tolist()
 
     def run() -> dict[str, float]:
@@ -318,7 +318,7 @@ def _sage_rl_runner(cfg: model.ModelConfig, params, prompts_BxP: np.ndarray, gro
         ro = dict(prompt_tokens=out.prompt_tokens, prompt_mask=out.prompt_mask, tokens=out.tokens,
                   lengths=out.lengths, finished=out.finished, sampler_logp=out.logprobs)
         batch = rollouts.build_batch(ro, np.asarray(adv_N), cfg.pad_token_id, new_tokens)
-        batch["ref_logp"], _ = trainer.sequence_logprobs(cfg, ref_params, batch["tokens"], batch["mask"],
+        batch["ref_logp"], _ = train_state.sequence_logprobs(cfg, ref_params, batch["tokens"], batch["mask"],
                                                          prompt_len=out.prompt_tokens.shape[1],  # the prompt bucket
                                                          temperature=loss_cfg.temperature)
         jax.block_until_ready(batch["ref_logp"])

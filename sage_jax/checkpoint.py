@@ -19,6 +19,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from sage_jax import logging as slog
+
 log = pylogging.getLogger(__name__)
 
 _ITEMS = ("state", "meta")
@@ -68,9 +70,17 @@ def _all_processes(ok: bool) -> bool:
 _EXPECTED_FILES = ("state/_METADATA", "state/manifest.ocdbt", "meta/metadata")
 
 
-def _reason(e: BaseException, step_dir: epath.Path) -> str:
+def _cause_text(e: BaseException, limit: int = 300) -> str:
+    """First line of the error without TensorStore's spec dump; a long one keeps its head and its innermost cause
+    (the end: TensorStore nests "outer: inner: cause"), so "data corruption" or a byte-range error is never cut off."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    reason = f"{type(e).__name__}: {first[:300]}"
+    for marker in (" [tensorstore_spec", " [source locations"):
+        first = first.split(marker)[0]
+    return first if len(first) <= limit else f"{first[:limit // 3]} ... {first[-(2 * limit // 3):]}"
+
+
+def _reason(e: BaseException, step_dir: epath.Path) -> str:
+    reason = f"{type(e).__name__}: {_cause_text(e)}"
     try:
         missing = [f for f in _EXPECTED_FILES if not (step_dir / f).exists()]
     except OSError:
@@ -122,6 +132,34 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         steps = self.all_steps()
         return steps[-1] if steps else None
+
+    def discard_after(self, step: int | None) -> list[int]:
+        """Move the steps newer than `step` (all of them for None) to WORKDIR/checkpoints_corrupt/, so a rerun resumes
+        from `step`; returns the steps moved. For checkpoints whose params turned out to give a non-finite loss."""
+        bad = [s for s in self.all_steps() if step is None or s > step]
+        if bad:
+            self.wait()
+            self._quarantine(bad)
+        return bad
+
+    def check_model(self, model_meta: dict[str, Any]) -> None:
+        """Raise CheckpointError naming every field where the newest checkpoint's model differs from `model_meta`
+        (see model_meta()); checked before restoring, since a restore into other shapes fails deep inside orbax."""
+        step = self.latest_step()
+        if step is None:
+            return
+        try:
+            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        except Exception:  # noqa: BLE001 - an unreadable step is the fallback's business, in restore()
+            return
+        saved = meta.get("model") if isinstance(meta, dict) else None
+        if not isinstance(saved, dict):
+            return  # written before model meta was stored
+        diff = [f"{k}: checkpoint {saved[k]!r}, config {model_meta.get(k)!r}" for k in sorted(saved)
+                if k in model_meta and saved[k] != model_meta[k]]
+        if diff:
+            raise CheckpointError(f"the checkpoints in {self.directory} were made with a different model ("
+                                  f"{'; '.join(diff)}): rerun with the original model config, or use a new --workdir")
 
     # -- restoring ----------------------------------------------------------------------------------------------
     def _restore_step(self, step: int, abstract_state: Any) -> tuple[int, Any, dict[str, Any]]:
@@ -213,12 +251,83 @@ class Checkpointer:
         self._manager.reload()
 
 
-def export_hf(workdir: str | os.PathLike, cfg: Any, params: Any) -> str:
-    """Write params as a Hugging Face model directory WORKDIR/hf_export; returns that path. Call on every process."""
+class FiniteWatch:
+    """Which checkpoint is known good, and what to do when a loss turns NaN/Inf.
+
+    A checkpoint is saved before its params are used, so a finite state can still be one whose next loss is NaN
+    (e.g. a huge learning rate). A saved step counts as good once a later step's metrics are finite; on a non-finite
+    step the checkpoints not yet proven good are moved aside, so the step the error names is the one a rerun resumes.
+    """
+
+    def __init__(self, ckpt: Checkpointer, good: int | None):
+        self.ckpt, self.good, self._unproven = ckpt, good, []
+
+    def saved(self, step: int) -> None:
+        self._unproven.append(step)
+
+    def check(self, step: int, values) -> None:
+        """values: host metrics of `step`, whose loss was computed with the params after `step` steps."""
+        try:
+            slog.check_finite(step, values, self.good, workdir=self.ckpt.workdir)
+        except slog.NonFiniteLossError:
+            moved = self.ckpt.discard_after(self.good)
+            if moved:
+                log.warning("moved checkpoint steps %s, whose params led to the non-finite loss, to %s", moved,
+                            os.path.join(self.ckpt.workdir, "checkpoints_corrupt"))
+            left = self.ckpt.all_steps()  # `keep` may have pruned the good step itself
+            slog.check_finite(step, values, left[-1] if left else None, workdir=self.ckpt.workdir)
+        proven = [s for s in self._unproven if s <= step]
+        if proven:
+            self.good = max(proven)
+            self._unproven = [s for s in self._unproven if s > step]
+
+
+# ModelConfig fields that decide the shapes and layout of the saved arrays.
+_MODEL_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                 "intermediate_size", "tie_embeddings", "qkv_bias", "param_dtype", "scan_layers")
+
+
+def model_meta(cfg: Any) -> dict[str, Any]:
+    """The model fields a checkpoint stores in its meta under "model", for check_model on restore."""
+    return {k: getattr(cfg, k) for k in _MODEL_FIELDS if hasattr(cfg, k)}
+
+
+def export_hf(workdir: str | os.PathLike, cfg: Any, params: Any, tokenizer: Any = None) -> str:
+    """Write params (and the tokenizer, when given) as a Hugging Face model directory WORKDIR/hf_export, complete
+    enough for AutoTokenizer / AutoModelForCausalLM; returns that path. Call on every process."""
     from sage_jax import model
     out = os.path.join(os.fspath(workdir), "hf_export")
     model.save_hf(out, cfg, params)
+    if tokenizer is not None and jax.process_index() == 0:
+        hf_tokenizer(tokenizer).save_pretrained(out)
     return out
+
+
+def hf_tokenizer(tokenizer: Any) -> Any:
+    """A transformers tokenizer for the project's tokenizers: the wrapped HF one, or the countdown character vocab
+    rebuilt as a fast tokenizer (same ids, <bos> prepended like its encode())."""
+    if getattr(tokenizer, "hf", None) is not None:
+        return tokenizer.hf
+    from sage_jax.rewards.countdown import CountdownTokenizer
+    chars = getattr(tokenizer, "_tok", tokenizer)
+    if not isinstance(chars, CountdownTokenizer):
+        raise ValueError(f"cannot export a tokenizer of type {type(tokenizer).__name__}: pass an HF tokenizer wrapper "
+                         "(sage_jax.tokenizer.Tokenizer) or the countdown tokenizer")
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    # a byte-level BPE without merges: one token per character, in the form Qwen2's tokenizer class (which
+    # transformers picks from config.json's model_type) rebuilds its pipeline from, so the ids stay the same
+    byte_char = bytes_to_unicode()
+    specials = set(chars.SPECIALS)
+    vocab = {(s if s in specials else byte_char[ord(s)]): i for i, s in enumerate(chars.itos)}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True) for s in chars.SPECIALS])
+    pad, bos, eos = (chars.itos[i] for i in (chars.pad_id, chars.bos_id, chars.eos_id))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
+                                   add_bos_token=True)
 
 
 def restore_params(workdir: str | os.PathLike, step: int, abstract_params: Any, dtype: Any) -> Any:

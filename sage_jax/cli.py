@@ -24,7 +24,10 @@ def parse(argv: Sequence[str] | None, description: str, extra: Callable[[argpars
     if extra:
         extra(parser)
     args = parser.parse_args(rest)
-    return config_lib.load(args.config, overrides), args
+    if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
+        raise config_lib.ConfigError(f"--workdir {args.workdir!r} is a file, not a directory: pass a directory path "
+                                     "(it is created if missing)")
+    return config_lib.validate(config_lib.load(args.config, overrides)), args
 
 
 def main_guard(fn: Callable[[], int | None]) -> None:
@@ -36,12 +39,26 @@ def main_guard(fn: Callable[[], int | None]) -> None:
         sys.exit(fn() or 0)
     except KeyboardInterrupt:
         print("\ninterrupted: rerun the same command to resume from the last checkpoint", file=sys.stderr)
+        if getattr(fn, "__module__", None) == "__main__":  # a `python -m` run, not a caller in this process
+            _exit_now(130)
         sys.exit(130)
     except (config_lib.ConfigError, NonFiniteLossError, CheckpointError, *USER_ERRORS) as e:
         if os.environ.get("SAGE_DEBUG"):
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def _exit_now(code: int) -> None:
+    """Exit without interpreter shutdown: after an interrupt, JAX, orbax and tensorstore threads may still be mid-call,
+    and finalising modules under them can crash the process (SIGSEGV). Saved checkpoints are complete or ignored."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    pylogging.shutdown()
+    os._exit(code)
 
 
 def setup_runtime(workdir: str) -> None:

@@ -10,7 +10,7 @@ import ast
 import importlib.util
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ml_collections
 
@@ -107,3 +107,78 @@ def split_config_flags(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     for arg in argv:
         (overrides if arg.startswith("--config.") else rest).append(arg)
     return overrides, rest
+
+
+# ------------------------------------------------------------------------------------------------- validation
+# (key, test, what the value must be). Checked before any work, so a bad value fails in a second, not after training.
+_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("data.task", lambda v: v in ("math", "kk", "countdown"), "one of 'math', 'kk', 'countdown'"),
+    ("data.max_prompt_len", lambda v: v >= 1, ">= 1"),
+    ("rollout.group_size", lambda v: v >= 2, ">= 2 (group-relative advantages compare rollouts of one prompt; "
+                                             "with 1 every advantage is 0)"),
+    ("rollout.prompts_per_step", lambda v: v >= 1, ">= 1"),
+    ("rollout.max_new_tokens", lambda v: v >= 1, ">= 1"),
+    ("rollout.temperature", lambda v: v >= 0, ">= 0 (0 = greedy)"),
+    ("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("rollout.top_k", lambda v: v >= 0, ">= 0 (0 = off)"),
+    ("rollout.min_p", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("loss.beta", lambda v: v >= 0, ">= 0"),
+    ("loss.gamma", lambda v: v >= 0, ">= 0"),
+    ("loss.tau", lambda v: v > 0, "> 0"),
+    ("loss.eps_low", lambda v: v >= 0, ">= 0"),
+    ("loss.eps_high", lambda v: v >= 0, ">= 0"),
+    ("loss.tis_cap", lambda v: v >= 0, ">= 0 (0 = off)"),
+    ("loss.schedule_cycles", lambda v: v >= 1, ">= 1"),
+    ("optim.lr", lambda v: v > 0, "> 0"),
+    ("optim.warmup_steps", lambda v: v >= 0, ">= 0"),
+    ("optim.schedule", lambda v: v in ("constant", "cosine"), "'constant' or 'cosine'"),
+    ("optim.num_iterations", lambda v: v >= 1, ">= 1"),
+    ("optim.mini_batches", lambda v: v >= 1, ">= 1"),
+    ("optim.grad_accum", lambda v: v >= 1, ">= 1"),
+    ("train.steps", lambda v: v >= 1, ">= 1 (the number of RL steps)"),
+    ("train.ckpt_every", lambda v: v >= 1, ">= 1 (save a checkpoint every this many steps)"),
+    ("train.keep_ckpts", lambda v: v >= 1, ">= 1"),
+    ("train.eval_every", lambda v: v >= 0, ">= 0 (0 = only before and after)"),
+    ("train.sample_every", lambda v: v >= 0, ">= 0 (0 = never)"),
+    ("train.reward_workers", lambda v: v >= 0, ">= 0 (0 = score in this process)"),
+    ("train.reward_timeout", lambda v: v > 0, "> 0 seconds"),
+    ("train.reward_memory_mb", lambda v: v >= 0, ">= 0 MiB (0 = no cap)"),
+    ("train.max_resample", lambda v: v >= 0, ">= 0"),
+    ("eval.n", lambda v: v >= 1, ">= 1 (samples per problem)"),
+    ("eval.problems", lambda v: v >= 0, ">= 0 (0 = all)"),
+    ("eval.temperature", lambda v: v >= 0, ">= 0"),
+    ("sft.steps", lambda v: v >= 0, ">= 0 (0 = no SFT)"),
+    ("sft.ckpt_every", lambda v: v >= 1, ">= 1"),
+    ("sft.batch_size", lambda v: v >= 1, ">= 1"),
+    ("sft.lr", lambda v: v > 0, "> 0"),
+    ("sft.num_demos", lambda v: v >= 1, ">= 1"),
+)
+
+
+def _get(config: ml_collections.ConfigDict, key: str) -> tuple[bool, Any]:
+    node: Any = config
+    for part in key.split("."):
+        if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Raise ConfigError naming the first bad key and what it must be; keys a config lacks are skipped."""
+    for key, ok, must in _RULES:
+        present, value = _get(config, key)
+        if not present:
+            continue
+        try:
+            good = bool(ok(value))
+        except TypeError:
+            good = False
+        if not good:
+            raise ConfigError(f"--config.{key}={value!r}: must be {must}")
+    present, ks = _get(config, "eval.ks")
+    _, n = _get(config, "eval.n")
+    if present and (not ks or any(not isinstance(k, int) or not 1 <= k <= n for k in ks)):
+        raise ConfigError(f"--config.eval.ks={tuple(ks)!r}: every k must be between 1 and eval.n={n} (pass@k needs k "
+                          "of the n samples); lower the ks or raise --config.eval.n")
+    return config

@@ -43,10 +43,15 @@ def to_host(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 class MetricsLogger:
-    """Appends {"step", "time", **metrics} lines to WORKDIR/metrics.jsonl and scalars to WORKDIR/tb/."""
+    """Appends {"step", "time", **metrics} lines to WORKDIR/metrics.jsonl and scalars to WORKDIR/tb/.
+
+    resume_step: a run resuming at that step first drops the rows of steps >= it (the killed run's last steps, which
+    the resumed run logs again), so each step's rows appear once.
+    """
 
     def __init__(self, workdir: str | os.PathLike, config_dict: Mapping[str, Any] | None = None,
-                 use_tensorboard: bool = True, use_wandb: bool = False, is_primary: bool | None = None):
+                 use_tensorboard: bool = True, use_wandb: bool = False, is_primary: bool | None = None,
+                 resume_step: int | None = None):
         self.workdir = os.fspath(workdir)
         self.enabled = _is_primary(is_primary)
         self._metrics_file: TextIO | None = None
@@ -56,6 +61,9 @@ class MetricsLogger:
         if not self.enabled:
             return
         os.makedirs(self.workdir, exist_ok=True)
+        if resume_step is not None:
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                _drop_rows_from(os.path.join(self.workdir, name), int(resume_step))
         self._metrics_file = open(os.path.join(self.workdir, "metrics.jsonl"), "a", encoding="utf-8")
         self._samples_file = open(os.path.join(self.workdir, "samples.jsonl"), "a", encoding="utf-8")
         config_json = None
@@ -118,6 +126,25 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def _drop_rows_from(path: str, step: int) -> None:
+    """Rewrite a JSONL log without the rows of steps >= step (and any line cut off by a kill)."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
 
 
 def _plain(x: Any) -> Any:
@@ -232,14 +259,16 @@ class NonFiniteLossError(RuntimeError):
 
 def check_finite(step: int, metrics: Mapping[str, Any], last_good_checkpoint_step: int | None,
                  workdir: str | os.PathLike | None = None) -> None:
-    """Raise NonFiniteLossError if any "loss" or "loss/*" metric is NaN/Inf (metrics are host values)."""
-    bad = sorted(k for k, v in metrics.items()
-                 if (k == "loss" or k.startswith("loss/")) and not math.isfinite(_scalar(k, v)))
+    """Raise NonFiniteLossError if any "loss", "loss/*" or "opt/grad_norm" metric is NaN/Inf, or the step's update
+    was dropped as non-finite ("opt/nonfinite_update" > 0); metrics are host values."""
+    watched = lambda k: k == "loss" or k.startswith("loss/") or k == "opt/grad_norm"
+    bad = sorted(k for k, v in metrics.items() if watched(k) and not math.isfinite(_scalar(k, v)))
+    bad += [k for k, v in metrics.items() if k == "opt/nonfinite_update" and _scalar(k, v) > 0]
     if not bad:
         return
     where = os.path.join(os.fspath(workdir), "checkpoints") if workdir is not None else "the workdir's checkpoints"
     if last_good_checkpoint_step is None:
-        resume = (f"no checkpoint saved yet in {where} (restart from scratch, e.g. with a lower learning rate)")
+        resume = (f"no good checkpoint in {where} (restart from scratch, e.g. with a lower learning rate)")
     else:
         resume = (f"last good checkpoint: step {last_good_checkpoint_step} in {where} "
                   f"(restart to resume from it, e.g. with a lower learning rate)")
@@ -254,7 +283,7 @@ def setup_python_logging(workdir: str | os.PathLike | None = None, level: int | 
                          is_primary: bool | None = None) -> None:
     """Root logger -> stderr (all processes; non-primary only warnings) and WORKDIR/log.txt (primary only).
 
-    Safe to call again: replaces the handlers it installed before.
+    Safe to call again: replaces the handlers it installed before (and a logging.basicConfig() one).
     """
     primary = _is_primary(is_primary)
     level = pylogging.getLevelName(level.upper()) if isinstance(level, str) else int(level)
@@ -263,7 +292,10 @@ def setup_python_logging(workdir: str | os.PathLike | None = None, level: int | 
     prefix = "" if jax.process_count() == 1 else f"[p{jax.process_index()}] "
     formatter = pylogging.Formatter(f"%(asctime)s %(levelname).1s {prefix}%(name)s] %(message)s", "%H:%M:%S")
     root = pylogging.getLogger()
-    for h in [h for h in root.handlers if getattr(h, "_sage_jax", False)]:
+    # ours from an earlier call, and the stderr handler of logging.basicConfig(), which absl calls when a library
+    # logs through it before anything configured logging (orbax does at import): it would print every line twice
+    basic = lambda h: getattr(h.formatter, "_fmt", None) == pylogging.BASIC_FORMAT
+    for h in [h for h in root.handlers if getattr(h, "_sage_jax", False) or basic(h)]:
         root.removeHandler(h)
         h.close()
     handlers: list[pylogging.Handler] = [pylogging.StreamHandler(sys.stderr)]

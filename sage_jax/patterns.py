@@ -97,8 +97,11 @@ def load_texts(path: str | Path, only_correct: bool = False) -> list[str]:
                 continue
             try:
                 row = json.loads(line)
-            except json.JSONDecodeError:
-                raise ValueError(f"{path}:{lineno}: invalid JSON") from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno}); fix or delete "
+                                 "this line") from None
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
             if "completions" in row:
                 rewards = row.get("rewards") or [1.0] * len(row["completions"])
                 texts += [t for t, r in zip(row["completions"], rewards) if not only_correct or r >= 1.0]
@@ -146,6 +149,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--only-correct", action="store_true", help="count only completions with reward 1")
     parser.add_argument("--out", help="also write the markdown table here")
     args = parser.parse_args(argv)
+    for path in (args.run_a, args.run_b):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{path}: no such file; pass two samples.jsonl files (e.g. "
+                                    "WORKDIR/eval/after/NAME/samples.jsonl)")
     table = compare(args.run_a, args.run_b, args.only_correct)
     print(table, end="")
     if args.out:
@@ -153,4 +160,5 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from sage_jax import cli
+    cli.main_guard(main)

@@ -10,10 +10,10 @@ def main(argv=None) -> int:
     config, args = cli.parse(argv, "supervised fine-tuning on demonstrations")
     cli.setup_runtime(args.workdir)
     import os
-    from sage_jax import model, supervised
+    from sage_jax import checkpoint, supervised, tasks
     cfg, params = supervised.run_sft(config, os.path.join(args.workdir, "sft"))
-    model.save_hf(os.path.join(args.workdir, "sft", "hf_export"), cfg, params)
-    print(f"SFT done: {os.path.join(args.workdir, 'sft', 'hf_export')}")
+    out = checkpoint.export_hf(os.path.join(args.workdir, "sft"), cfg, params, tasks.build(config).tokenizer)
+    print(f"SFT done: {out}")
     return 0
 
 

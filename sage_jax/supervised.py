@@ -6,16 +6,13 @@ mode and rarer valid ones) or a jsonl file of prompt/completion rows.
 
 from __future__ import annotations
 
-import functools
 import logging as pylogging
-import os
 import random
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from sage_jax import checkpoint, model as model_lib, sharding, tasks, train_state
 from sage_jax import logging as slog
@@ -93,18 +90,21 @@ def run_sft(config, workdir: str, task: tasks.Task | None = None):
         del params
         step_fn = train_state.make_train_step(cfg, None, tx, schedule, config.seed, 1, shardings,
                                               loss_fn=lambda p, b, c, _l, _s, _k: sft_loss(p, b, c))
-        ckpt = checkpoint.Checkpointer(workdir, keep=1)
+        ckpt = checkpoint.Checkpointer(workdir, keep=2)  # the newest may not be proven finite yet
+        ckpt.check_model(checkpoint.model_meta(cfg))
         restored = ckpt.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                              state))
         start = 0
         if restored is not None:
             start, state, _ = restored
             log.info("SFT resumed at step %d from %s", start, workdir)
-        logger = slog.MetricsLogger(workdir, use_tensorboard=config.train.use_tensorboard)
+        watch = checkpoint.FiniteWatch(ckpt, start if restored is not None else None)
+        logger = slog.MetricsLogger(workdir, use_tensorboard=config.train.use_tensorboard, resume_step=start)
         progress = slog.Progress(total=s.steps, initial=start, enabled=config.train.progress, desc="sft")
         rng = np.random.default_rng(config.seed)
         n = tokens.shape[0]
         order = np.concatenate([rng.permutation(n) for _ in range(-(-s.steps * s.batch_size // n) + 1)])
+        every = s.get("ckpt_every", s.steps) or s.steps
         t0 = time.perf_counter()
         for step in range(start, s.steps):
             rows = order[step * s.batch_size:(step + 1) * s.batch_size]
@@ -112,15 +112,19 @@ def run_sft(config, workdir: str, task: tasks.Task | None = None):
             batch = {"tokens": put(tokens[rows]), "mask": put(mask[rows]), "loss_mask": put(loss_mask[rows]),
                      "rl_step": jnp.asarray(step, jnp.int32)}
             state, metrics = step_fn(state, batch)
-            if (step + 1) % 20 == 0 or step + 1 == s.steps:
+            done = step + 1
+            # fetched at every save and at the step after it (which proves the saved params give a finite loss)
+            if done % 20 == 0 or done % every in (0, 1) or done == s.steps:
                 values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                slog.check_finite(step, {"loss/sft": values["sft/loss"]}, start, workdir=workdir)
+                watch.check(step, {**values, "loss/sft": values["sft/loss"]})
                 logger.log(step, values)
-                progress.update(step + 1, {"sft/loss": values["sft/loss"]})
+                progress.update(done, {"sft/loss": values["sft/loss"]})
+            if done % every == 0 or done == s.steps:
+                ckpt.save(done, state, {"sft_step": done, "model": checkpoint.model_meta(cfg)})
+                watch.saved(done)
         progress.close()
+        ckpt.wait()
         if start < s.steps:
-            ckpt.save(s.steps, state, {"sft_step": s.steps})
-            ckpt.wait()
             log.info("SFT: %d steps in %.1fs", s.steps - start, time.perf_counter() - t0)
         ckpt.close()
         logger.close()

@@ -49,7 +49,8 @@ def load_or_init_params(config, mesh, rules, tokenizer=None, path: str | None = 
         init = jax.jit(functools.partial(model_lib.init_params, cfg), out_shardings=shardings)
         params = init(jax.random.key(config.seed))
     if tokenizer is not None:
-        cfg = cfg.replace(eos_token_ids=tuple(tokenizer.eos_ids), pad_token_id=int(tokenizer.pad_id))
+        cfg = cfg.replace(eos_token_ids=tuple(tokenizer.eos_ids), pad_token_id=int(tokenizer.pad_id),
+                          bos_token_id=getattr(tokenizer, "bos_id", cfg.bos_token_id))
     return cfg, params
 
 
@@ -135,11 +136,21 @@ def make_train_step(cfg, loss_cfg: objectives.LossConfig, tx, schedule, seed: in
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         metrics = dict(metrics, **{"opt/grad_norm": optax.tree.norm(grads), "opt/lr": schedule(state["step"])})
-        return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+        new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        return keep_if_finite(state, new_state, grads, metrics)
 
     if shardings is None:
         return jax.jit(train_step, donate_argnums=0)
     return jax.jit(train_step, donate_argnums=0, in_shardings=(shardings, None), out_shardings=(shardings, None))
+
+
+def keep_if_finite(state, new_state, grads, metrics):
+    """(new_state, metrics), or the old state if the gradients or the updated state hold a NaN/Inf: a non-finite
+    update is never kept (nor saved); metrics["opt/nonfinite_update"] = 1 tells the host loop to stop."""
+    floats = [x for x in jax.tree.leaves((grads, new_state)) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats]))
+    kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+    return kept, dict(metrics, **{"opt/nonfinite_update": 1.0 - finite.astype(jnp.float32)})
 
 
 def sequence_logprobs(cfg, params, tokens_NxT, mask_NxT, *, prompt_len: int, temperature: float,

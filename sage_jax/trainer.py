@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sage_jax import checkpoint, evaluation, guides, objectives, rollouts, sharding, supervised, tasks
+from sage_jax import config as config_lib
 from sage_jax import logging as slog
 from sage_jax import model as model_lib
 from sage_jax import train_state
@@ -159,6 +160,7 @@ def collect_rollouts(task: tasks.Task, cfg, config, pool: RewardPool, params, rl
         order = np.concatenate([np.flatnonzero(~same_accuracy), np.flatnonzero(same_accuracy)])[:B]
         ro = rollouts.take_rows(ro, (order[:, None] * G + np.arange(G)).reshape(-1))
         stats["rl/resample_rounds"] = float(len(parts) - 1)
+    stats.update(pool.take_counts())
     return ro, stats
 
 
@@ -201,6 +203,7 @@ class RLResult(NamedTuple):
 
 def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override=None) -> RLResult:
     """Train with RL from config (on `task`, default tasks.build(config)); resumes from workdir's checkpoints."""
+    config_lib.validate(config)
     os.makedirs(workdir, exist_ok=True)
     tr, rules = config.train, dict(config.mesh.rules)
     mesh = sharding.make_mesh(tuple(config.mesh.shape))
@@ -208,19 +211,21 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
     with jax.set_mesh(mesh), sharding.use_rules(rules):
         ctx, state = setup_rl(config, mesh, rules, task.tokenizer, params_override)
         ckpt = checkpoint.Checkpointer(os.path.join(workdir, "rl"), keep=tr.keep_ckpts)
+        ckpt.check_model(checkpoint.model_meta(ctx.cfg))
         state, start = _restore(ckpt, state, workdir)
         logger = slog.MetricsLogger(workdir, config.to_dict(), use_tensorboard=tr.use_tensorboard,
-                                    use_wandb=tr.use_wandb)
+                                    use_wandb=tr.use_wandb, resume_step=start)
         summary = Summary(os.path.join(workdir, "summary.json"))
-        with RewardPool(tr.reward or task.reward, num_workers=tr.reward_workers, timeout_s=tr.reward_timeout) as pool:
+        with RewardPool(tr.reward or task.reward, num_workers=tr.reward_workers, timeout_s=tr.reward_timeout,
+                        memory_mb=tr.reward_memory_mb) as pool:
             evaluate = lambda params, tag: run_eval(task, ctx.cfg, params, config,
                                                     os.path.join(workdir, "eval", tag), pool, tag)
             if config.eval.at_start and task.evals and "before" not in summary.data:
                 summary.update(before=evaluate(state["params"], "before"))
             collect = functools.partial(collect_rollouts, task, ctx.cfg, config, pool)
-            late, last_good = slog.LateMetrics(), (start if start else None)
+            late, watch = slog.LateMetrics(), checkpoint.FiniteWatch(ckpt, start if start else None)
             progress = slog.Progress(total=tr.steps, initial=start, enabled=tr.progress and jax.process_index() == 0)
-            report = lambda m: _report(m, logger, progress, last_good, workdir)
+            report = lambda m: _report(m, logger, progress, watch)
             for step in range(start, tr.steps):
                 state, metrics, host, ro = rl_step(ctx, state, step, collect)
                 report(late.push(step, metrics))
@@ -232,8 +237,9 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
                 done = step + 1
                 if done % tr.ckpt_every == 0 or done == tr.steps:
                     report(late.flush())
-                    ckpt.save(done, state, {"rl_step": done, "seed": config.seed})
-                    last_good = done
+                    ckpt.save(done, state, {"rl_step": done, "seed": config.seed,
+                                            "model": checkpoint.model_meta(ctx.cfg)})
+                    watch.saved(done)
                 if tr.eval_every and done % tr.eval_every == 0 and done != tr.steps:
                     res = evaluate(state["params"], f"step{done}")
                     logger.log(step, {f"eval/{d}/{k}": v for d, r in res["datasets"].items() for k, v in r.items()})
@@ -243,7 +249,7 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
             if config.eval.at_end and task.evals and summary.data.get("after_step") != tr.steps:
                 summary.update(after=evaluate(state["params"], "after"), after_step=tr.steps)
         if tr.export_hf:
-            model_lib.save_hf(os.path.join(workdir, "hf_export"), ctx.cfg, state["params"])
+            checkpoint.export_hf(workdir, ctx.cfg, state["params"], task.tokenizer)
         ckpt.close()
         logger.close()
     return RLResult(summary.data, ctx.cfg, state)
@@ -260,11 +266,11 @@ def _restore(ckpt: checkpoint.Checkpointer, state, workdir: str) -> tuple[Any, i
     return state, int(meta["rl_step"])
 
 
-def _report(metrics, logger, progress, last_good, workdir):
+def _report(metrics, logger, progress, watch: checkpoint.FiniteWatch):
     if metrics is None:
         return
     step, values = metrics
-    slog.check_finite(step, values, last_good, workdir=os.path.join(workdir, "rl"))
+    watch.check(step, values)
     logger.log(step, values)
     progress.update(step + 1, values)
 
@@ -300,9 +306,17 @@ class Summary:
     def __init__(self, path: str):
         self.path = path
         self.data: dict[str, Any] = {}
-        if os.path.exists(path):
+        if not os.path.exists(path):
+            return
+        try:
             with open(path) as f:
                 self.data = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); delete it to recompute the before/after evaluations"
+                             ) from None
+        if not isinstance(self.data, dict):
+            raise ValueError(f"{path} holds a {type(self.data).__name__}, not a JSON object; delete it to recompute "
+                             "the before/after evaluations")
 
     def update(self, **entries: Any) -> None:
         self.data.update(entries)

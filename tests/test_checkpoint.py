@@ -152,3 +152,48 @@ def test_export_hf_calls_model_save_hf(tmp_path, monkeypatch):
     monkeypatch.setattr(model, "save_hf", lambda out, cfg, params: calls.append((out, cfg, params)))
     out = ckpt.export_hf(tmp_path, "cfg", {"p": 1})
     assert out == os.path.join(str(tmp_path), "hf_export") and calls == [(out, "cfg", {"p": 1})]
+
+
+def test_check_model_names_the_fields_that_differ(tmp_path):
+    c = ckpt.Checkpointer(tmp_path)
+    c.check_model({"hidden_size": 64})  # nothing saved yet: nothing to compare
+    c.save(1, _state(), {"model": {"hidden_size": 64, "num_layers": 2, "param_dtype": "float32"}})
+    c.check_model({"hidden_size": 64, "num_layers": 2, "param_dtype": "float32"})
+    with pytest.raises(ckpt.CheckpointError) as err:
+        c.check_model({"hidden_size": 128, "num_layers": 2, "param_dtype": "bfloat16"})
+    msg = str(err.value)
+    assert "hidden_size: checkpoint 64, config 128" in msg and "param_dtype" in msg and "num_layers" not in msg
+    assert "\n" not in msg and "--workdir" in msg
+    c.save(2, _state(), {"rl_step": 2})  # meta from before model meta was stored: not compared
+    c.check_model({"hidden_size": 128})
+    c.close()
+
+
+def test_discard_after_moves_the_newer_steps(tmp_path):
+    c = _save_steps(tmp_path, [1, 2, 3])
+    assert c.discard_after(1) == [2, 3] and c.all_steps() == [1]
+    assert len(os.listdir(tmp_path / "checkpoints_corrupt")) == 2
+    assert c.save(2, _state(2.0))  # the step number is free again
+    assert c.discard_after(None) == [1, 2] and c.all_steps() == []
+
+
+def test_fallback_reason_keeps_the_cause():
+    long = ValueError("OUT_OF_RANGE: Error opening \"zarr\" driver: " + "x" * 400 + ": Requested byte range "
+                      "[0, 478) is not valid for value of size 239 [tensorstore_spec[1]='{\"base\": ...}']")
+    text = ckpt._cause_text(long)
+    assert text.startswith("OUT_OF_RANGE") and text.endswith("is not valid for value of size 239")
+    assert "tensorstore_spec" not in text and len(text) < 320
+
+
+def test_countdown_tokenizer_exports_with_the_same_ids(tmp_path):
+    from sage_jax import tasks
+    tok = tasks._CountdownTok()
+    hf = ckpt.hf_tokenizer(tok)
+    hf.save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    text = "3 5 7 => 12: (3+5)*7"
+    assert loaded(text).input_ids == tok.encode(text)
+    assert loaded.decode(tok.encode(text + "") + [tok.eos_ids[0]], skip_special_tokens=True) == text
+    with pytest.raises(ValueError, match="cannot export a tokenizer"):
+        ckpt.hf_tokenizer(object())

@@ -12,6 +12,7 @@ def test_every_config_loads_and_builds_a_loss_config(name):
     from sage_jax import objectives
     c = config_lib.load(f"configs/{name}.py")
     assert c.is_locked
+    config_lib.validate(c)  # every shipped config passes the up-front checks
     objectives.LossConfig.from_config(c.loss, total_steps=c.train.steps)
 
 

@@ -89,8 +89,47 @@ def test_check_finite():
     msg = str(err.value)
     assert "NaN/Inf at step 17" in msg and "last good checkpoint: step 10 in /runs/a/checkpoints" in msg
     assert "loss/pg" in msg and "lower learning rate" in msg and isinstance(err.value, RuntimeError)
-    with pytest.raises(slog.NonFiniteLossError, match="step 3.*no checkpoint"):
+    with pytest.raises(slog.NonFiniteLossError, match="step 3.*no good checkpoint"):
         slog.check_finite(3, {"loss/total": float("nan")}, None)
+    # a finite loss with non-finite gradients, or an update the step dropped, stops the run too
+    with pytest.raises(slog.NonFiniteLossError, match="opt/grad_norm"):
+        slog.check_finite(4, {"loss/total": 1.0, "opt/grad_norm": float("inf")}, 2)
+    with pytest.raises(slog.NonFiniteLossError, match="opt/nonfinite_update"):
+        slog.check_finite(4, {"loss/total": 1.0, "opt/nonfinite_update": 1.0}, 2)
+    slog.check_finite(4, {"loss/total": 1.0, "opt/grad_norm": 3.0, "opt/nonfinite_update": 0.0}, 2)
+
+
+def test_resumed_run_replaces_the_killed_runs_rows(tmp_path):
+    first = slog.MetricsLogger(tmp_path, use_tensorboard=False, is_primary=True)
+    for step in range(4):
+        first.log(step, {"rl/reward": float(step)})
+    first.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "rl/rew')  # a line cut off by the kill
+    resumed = slog.MetricsLogger(tmp_path, use_tensorboard=False, is_primary=True, resume_step=2)
+    for step in range(2, 5):
+        resumed.log(step, {"rl/reward": 10.0 + step})
+    resumed.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and [r["rl/reward"] for r in rows] == [0, 1, 12, 13, 14]
+
+
+def test_basic_config_handler_is_replaced(tmp_path, capsys):
+    import logging
+    root = logging.getLogger()
+    saved = list(root.handlers)
+    try:
+        basic = logging.StreamHandler()
+        basic.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+        root.addHandler(basic)  # what absl's logging.basicConfig() leaves when a library logs before setup
+        slog.setup_python_logging(tmp_path, "INFO", is_primary=True)
+        logging.getLogger("sage_jax").warning("once only")
+        err = capsys.readouterr().err
+        assert err.count("once only") == 1 and basic not in root.handlers
+    finally:
+        for h in [h for h in root.handlers if h not in saved]:
+            root.removeHandler(h)
+            h.close()
 
 
 def test_progress_postfix():

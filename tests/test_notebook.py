@@ -52,11 +52,58 @@ def test_notebook_shape():
         assert isinstance(node, ast.Assign), ast.dump(node)
         defaults[node.targets[0].id] = ast.literal_eval(node.value)
     assert defaults["LOCAL_TINY"] is False and defaults["WORKDIR"] == ""
-    assert {"PROJECT_SOURCE", "MODEL_NAME", "TRAIN_DATA", "EVAL_DATA", "N", "KS", "RL_STEPS"} <= set(defaults)
+    assert {"SAGE_JAX_SOURCE", "MODEL_NAME", "TRAIN_DATA", "EVAL_DATA", "N", "KS", "RL_STEPS"} <= set(defaults)
     for cell in nb.cells:
         if cell.cell_type == "code":
             ast.parse(cell.source)  # no syntax errors, no IPython magics (cells stay plain Python)
             assert not cell.get("outputs"), "commit the notebook without outputs"
+
+
+def _install_cell(nb):
+    return next(c for c in nb.cells if c.cell_type == "code" and "def locate_code" in c.source)
+
+
+def test_install_cell_outside_a_checkout(tmp_path, monkeypatch):
+    """As on Colab: no checkout above the working directory; the code comes from SAGE_JAX_SOURCE."""
+    import os
+    import subprocess
+    import sys
+    import zipfile
+    source = _install_cell(_read()).source
+    calls = []
+    monkeypatch.setattr(subprocess, "check_call", lambda cmd, **kw: calls.append(cmd))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "")
+    monkeypatch.chdir(tmp_path)
+    fake = tmp_path / "src" / "sage_jax-main"
+    (fake / "sage_jax").mkdir(parents=True)
+    (fake / "configs").mkdir()
+    (fake / "configs" / "base.py").write_text("")
+    (fake / "requirements.txt").write_text("jax>=0.7  # pinned\nml_collections>=1.0\n")
+    with zipfile.ZipFile(tmp_path / "sage_jax.zip", "w") as z:
+        for f in fake.rglob("*"):
+            z.write(f, f.relative_to(fake.parent))
+
+    def run(source_value):
+        ns = {"os": os, "sys": sys, "Path": Path, "WORKDIR": tmp_path / "work", "SAGE_JAX_SOURCE": source_value}
+        (tmp_path / "work").mkdir(exist_ok=True)
+        exec(compile(source, "install-cell", "exec"), ns)
+        return ns["REPO_DIR"]
+
+    repo = run(str(tmp_path / "sage_jax.zip"))
+    assert repo == tmp_path / "work" / "sage_jax_src" / "sage_jax-main" and str(repo) in os.environ["PYTHONPATH"]
+    assert calls[-1][1:4] == ["-m", "pip", "install"] and "ml_collections>=1.0" in calls[-1]
+    assert run(str(fake)) == fake.resolve()
+    if not Path("/content").is_dir():
+        with pytest.raises(ValueError, match="set SAGE_JAX_SOURCE in the Parameters cell"):
+            run("")
+    calls.clear()
+    (tmp_path / "work" / "sage_jax_src").rename(tmp_path / "old")
+    import shutil
+    monkeypatch.setattr(subprocess, "check_call", lambda cmd, **kw: calls.append(cmd) or (
+        cmd[0] == "git" and shutil.copytree(fake, cmd[-1])))
+    assert run("https://example.invalid/sage_jax.git") == tmp_path / "work" / "sage_jax_src"
+    assert calls[0][:2] == ["git", "clone"] and "https://example.invalid/sage_jax.git" in calls[0]
 
 
 def _top_level(folder: Path) -> set[str]:

@@ -18,6 +18,10 @@ def echo_or_hang(completion, gold):
         raise RuntimeError("checker bug")
     if completion == "EXIT":
         os._exit(3)
+    if completion == "MEM":
+        hog = []
+        while True:
+            hog.append(bytearray(64 << 20))
     if completion == "JAX?":
         return float("jax" in sys.modules)
     return float(completion == gold)
@@ -52,13 +56,29 @@ def test_hang_is_killed_and_others_score():
         np.testing.assert_array_equal(pool.score(["p", "q"], ["p", "z"]), [1, 0])
 
 
-def test_inline_pool_soft_timeout():
-    with RewardPool(echo_or_hang, num_workers=0, timeout_s=0.3) as pool:
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_hanging_memory_hungry_and_crashing_items_score_zero_within_the_bound(num_workers):
+    limit = 4.0  # well above the time "MEM" takes to reach the cap on a loaded machine
+    with RewardPool(echo_or_hang, num_workers=num_workers, timeout_s=limit, memory_mb=512) as pool:
+        pool.score(["a"], ["a"])  # start-up done, so the timing below measures scoring only
+        assert pool.take_counts() == {"rl/reward_timeouts": 0.0, "rl/reward_errors": 0.0}
         start = time.monotonic()
-        rewards = pool.score(["a", "HANG", "RAISE", "b"], ["a", "", "", "c"])
-        assert time.monotonic() - start < 3.0
-        np.testing.assert_array_equal(rewards, [1, 0, 0, 0])
-        assert pool.stats["timeouts"] == 1 and pool.stats["errors"] == 1
+        rewards = pool.score(["a", "HANG", "MEM", "RAISE", "EXIT", "b"], ["a", "", "", "", "", "b"])
+        elapsed = time.monotonic() - start
+        np.testing.assert_array_equal(rewards, [1, 0, 0, 0, 0, 1])
+        # one hang costs one limit; each replaced worker costs one start-up (a few seconds on a loaded machine)
+        assert elapsed < limit + 3 * 10.0
+        assert pool.take_counts() == {"rl/reward_timeouts": 1.0, "rl/reward_errors": 3.0}
+        np.testing.assert_array_equal(pool.score(["p", "q"], ["p", "z"]), [1, 0])  # the pool goes on
+        assert pool.take_counts() == {"rl/reward_timeouts": 0.0, "rl/reward_errors": 0.0}
+
+
+def test_many_failures_warn(caplog):
+    with RewardPool(echo_or_hang, num_workers=1, timeout_s=5.0) as pool:
+        with caplog.at_level("WARNING", logger="sage_jax"):
+            pool.score(["RAISE", "RAISE", "a"], ["", "", "a"])
+            pool.take_counts()
+    assert any("2 of 3 items" in r.getMessage() for r in caplog.records)
 
 
 def test_math_and_kk_by_name():
@@ -93,3 +113,30 @@ def test_score_from_threads_and_errors():
             np.testing.assert_array_equal(results[k], [1, 0])
     with pytest.raises(ValueError, match="closed"):
         pool.score(["a"], ["a"])
+
+
+def hang_once_or_raise(completion, gold):
+    """Test-only reward for a whole run: the first item ever scored hangs, odd-length completions raise."""
+    marker = os.environ["SAGE_TEST_HANG_MARKER"]
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        while True:
+            pass
+    if len(completion) % 2:
+        raise ValueError("odd")
+    return 0.0
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_run_goes_on_past_hanging_and_failing_rewards(tmp_path, monkeypatch, num_workers):
+    import json
+    from sage_jax import config as config_lib, trainer
+    monkeypatch.setenv("SAGE_TEST_HANG_MARKER", str(tmp_path / "hung"))
+    config = config_lib.load("configs/tiny_test.py", [
+        "--config.train.steps=1", f"--config.train.reward_workers={num_workers}", "--config.train.reward_timeout=2",
+        f"--config.train.reward={__name__}:hang_once_or_raise"])
+    trainer.run_rl(config, str(tmp_path / "run"))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    host = next(r for r in rows if "rl/reward_timeouts" in r)
+    assert host["rl/reward_timeouts"] == 1.0 and host["rl/reward_errors"] >= 1.0
+    assert (tmp_path / "run" / "rl" / "checkpoints" / "1").is_dir()

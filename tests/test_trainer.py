@@ -93,6 +93,9 @@ def test_dynamic_sampling_filters_groups_on_accuracy_not_on_shaped_rewards(monke
         def score(self, texts, golds):
             return np.array([float(t == g) for t, g in zip(texts, golds)], np.float32)
 
+        def take_counts(self):
+            return {}
+
     class Task:
         def train_batch(self, index, size, seed):
             return [index] * size
@@ -191,3 +194,88 @@ def test_summary_writes_json_and_a_before_after_plot(tmp_path):
     assert written["before"]["pass@1"] == 0.25 and written["after"]["datasets"]["countdown"]["pass@1"] == 0.3
     assert (tmp_path / "pass_at_k.png").read_bytes()[:4] == b"\x89PNG"
     assert trainer.Summary(str(tmp_path / "summary.json")).data == written  # a resumed run reads it back
+
+
+def test_nonfinite_update_is_dropped():
+    config = _tiny()
+    cfg = train_state.model_config(config, vocab_size=23)
+    from sage_jax import model
+    params = model.init_params(cfg, jax.random.key(0))
+    before = jax.tree.map(np.asarray, params)
+    tx, schedule = train_state.make_optimizer(config.optim, 10)
+    loss_cfg = objectives.LossConfig.from_config(config.loss, total_steps=10)
+    step = train_state.make_train_step(cfg, loss_cfg, tx, schedule, seed=0)
+    batch = dict(_fake_batch(cfg), advantages=jnp.full((8,), jnp.inf))
+    state, metrics = step(train_state.init_state(params, tx), batch)
+    assert float(metrics["opt/nonfinite_update"]) == 1.0 and int(state["step"]) == 0
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state["params"])):
+        np.testing.assert_array_equal(a, b)
+    state, metrics = step(state, _fake_batch(cfg))
+    assert float(metrics["opt/nonfinite_update"]) == 0.0 and int(state["step"]) == 1
+
+
+def test_nan_run_leaves_a_checkpoint_that_a_sane_rerun_resumes(tmp_path):
+    from sage_jax import checkpoint
+    from sage_jax.logging import NonFiniteLossError
+    trainer.run_rl(_tiny(**{"train.steps": 1}), str(tmp_path))
+    with pytest.raises(NonFiniteLossError, match=r"at step 2 .*last good checkpoint: step 1 in "):
+        trainer.run_rl(_tiny(**{"train.steps": 3, "optim.lr": 1e30}), str(tmp_path))
+    ck = checkpoint.Checkpointer(tmp_path / "rl")
+    assert ck.all_steps() == [1]  # step 2 was finite but led to the NaN: moved aside
+    for s in ck.all_steps():
+        assert all(np.isfinite(x).all() for x in jax.tree.leaves(ck.restore_raw(s)[1]))
+    ck.close()
+    result = trainer.run_rl(_tiny(**{"train.steps": 3}), str(tmp_path))
+    assert int(result.state["step"]) == 3
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in rows}) == [0, 1, 2]
+    assert all(r.get("rl/reward_timeouts") == 0.0 for r in rows if "rl/reward" in r)
+
+
+def test_hf_export_loads_in_transformers_and_round_trips_a_prompt(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from sage_jax import model, tasks
+    config = _tiny(**{"train.steps": 1, "train.export_hf": True})
+    result = trainer.run_rl(config, str(tmp_path))
+    out = tmp_path / "hf_export"
+    tok = AutoTokenizer.from_pretrained(out)
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ours = tasks.build(config).tokenizer
+    prompt = "3 5 7 => 12: (3+5)*7"
+    ids = tok(prompt).input_ids
+    assert ids == ours.encode(prompt) and tok.decode(ids, skip_special_tokens=True) == prompt
+    assert hf.generation_config.eos_token_id == ours.eos_ids[0] and tok.eos_token_id == ours.eos_ids[0]
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits.numpy()
+    expected = model.forward(result.cfg, result.state["params"], jnp.asarray([ids]))
+    np.testing.assert_allclose(logits, np.asarray(expected), atol=1e-4, rtol=1e-4)
+    generated = hf.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)[0, len(ids):].tolist()
+    assert isinstance(tok.decode(generated, skip_special_tokens=True), str)
+
+
+def test_resume_with_another_model_names_the_fields(tmp_path):
+    from sage_jax.checkpoint import CheckpointError
+    trainer.run_rl(_tiny(**{"train.steps": 1}), str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"hidden_size: checkpoint 64, config 32; intermediate_size"):
+        trainer.run_rl(_tiny(**{"train.steps": 2, "model.hidden_size": 32, "model.intermediate_size": 64}),
+                       str(tmp_path))
+
+
+def test_sft_checkpoints_every_k_steps_and_resumes(tmp_path, caplog):
+    import logging
+    import shutil
+    from sage_jax import checkpoint, supervised
+    caplog.set_level(logging.INFO, logger="sage_jax")
+    config = _tiny(**{"sft.steps": 6, "sft.ckpt_every": 2, "sft.batch_size": 8})
+    _, full = supervised.run_sft(config, str(tmp_path))
+    full = jax.tree.map(np.asarray, full)
+    ck = checkpoint.Checkpointer(tmp_path)
+    assert ck.all_steps() == [4, 6]
+    ck.close()
+    # as if killed between the checkpoints at steps 4 and 6: the rerun resumes at 4 and ends where the first did
+    shutil.rmtree(tmp_path / "checkpoints" / "6")
+    _, resumed = supervised.run_sft(config, str(tmp_path))
+    assert "SFT resumed at step 4" in caplog.text
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)

@@ -62,7 +62,8 @@ def load_jsonl(path: str | os.PathLike) -> list[dict]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{line_no}: not valid JSON ({e}); fix or remove the line") from None
+                    raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno}); fix or remove "
+                                     "the line") from None
                 rows.append(validate_row(row, f"{path}:{line_no}"))
     return rows
 

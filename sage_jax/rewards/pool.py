@@ -1,13 +1,16 @@
-"""A process pool that scores (completion, gold) pairs with a hard per-item time limit.
+"""A process pool that scores (completion, gold) pairs with a hard per-item time limit and a memory cap.
 
     with RewardPool("math", num_workers=8, timeout_s=5.0) as pool:
         rewards_N = pool.score(completions, golds)       # float32 [N]; an item over the limit scores 0.0
+        pool.take_counts()                               # {"rl/reward_timeouts": ..., "rl/reward_errors": ...}
 
 Workers are fresh interpreters (`python -c ...`, not fork: the trainer process runs JAX threads) that import only the
 reward module, so they start in about a second and never load JAX. They talk to the pool over their stdin/stdout
 pipes with length-prefixed pickles. A worker that overruns its item, crashes or exits is killed and replaced; the
-item scores 0.0, so one pathological answer cannot stall a step. `num_workers=0` scores in this process with a soft
-(SIGALRM, main thread only) limit, for tiny CPU runs.
+item scores 0.0, so one pathological answer cannot stall a step. Each worker's address space is capped
+(RLIMIT_AS, `memory_mb`): an answer that makes the checker allocate gigabytes fails there and scores 0.0. A limit
+inside the trainer process could not be hard (a long C call ignores signals), so `num_workers=0`, the setting for
+tiny CPU runs, means the smallest pool: one worker.
 
 Reward functions are named "math", "kk", "countdown" (modules under sage_jax.rewards, imported lazily), or given as
 "package.module:function", or as a module-level callable.
@@ -18,11 +21,11 @@ from __future__ import annotations
 import atexit
 import collections
 import importlib
+import logging
 import math
 import os
 import pickle
 import select
-import signal
 import struct
 import subprocess
 import sys
@@ -38,6 +41,8 @@ REGISTRY = {
     "countdown": "sage_jax.rewards.countdown:score",
 }
 STARTUP_TIMEOUT_S = 120.0
+FAILED_SHARE_WARNING = 0.25  # warn when more than this share of a batch times out or fails
+log = logging.getLogger("sage_jax")
 _HEADER = struct.Struct(">Q")
 _WORKER_CODE = "from sage_jax.rewards.pool import worker_main; worker_main()"
 
@@ -96,7 +101,10 @@ def _watch_parent(parent_pid: int) -> None:
 
 def worker_main() -> None:
     """Worker loop: read (index, completion, gold) frames from stdin, write (index, reward, ok) frames."""
-    spec = sys.argv[1]
+    spec, memory_mb = sys.argv[1], int(sys.argv[3])
+    if memory_mb > 0:
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
     wire_out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # prints from reward code go to stderr, not into the wire
     wire_in = sys.stdin.buffer
@@ -117,8 +125,8 @@ def worker_main() -> None:
         index, completion, gold = pickle.loads(body)
         try:
             reward, ok = float(fn(completion, gold)), True
-        except Exception as e:  # noqa: BLE001 - a crashing checker scores 0, the step goes on
-            print(f"reward worker: {spec} raised {type(e).__name__}: {e}", file=sys.stderr)
+        except (Exception, MemoryError) as e:  # noqa: BLE001 - a crashing checker scores 0, the step goes on
+            print(f"reward worker: {spec} raised {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
             reward, ok = 0.0, False
         wire_out.write(_frame((index, reward if math.isfinite(reward) else 0.0, ok)))
         wire_out.flush()
@@ -128,11 +136,11 @@ def worker_main() -> None:
 
 
 class _Worker:
-    def __init__(self, spec: str):
+    def __init__(self, spec: str, memory_mb: int):
         env = dict(os.environ)
         paths = [p or os.getcwd() for p in sys.path]
         env["PYTHONPATH"] = os.pathsep.join(paths)
-        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_CODE, spec, str(os.getpid())],
+        self.proc = subprocess.Popen([sys.executable, "-c", _WORKER_CODE, spec, str(os.getpid()), str(memory_mb)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
         self.fd = self.proc.stdout.fileno()
         self.buf = b""
@@ -179,37 +187,12 @@ class _Worker:
         self.kill()
 
 
-class _SoftTimeout(Exception):
-    pass
-
-
-def _call_soft(fn: Callable[[str, Any], float], completion: str, gold: Any, timeout_s: float) -> tuple[float, str]:
-    """In-process call; the limit only applies on the main thread (SIGALRM) and cannot stop a long C call."""
-    use_alarm = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
-    previous = None
-    if use_alarm:
-        def on_alarm(signum, frame):
-            raise _SoftTimeout()
-        previous = signal.signal(signal.SIGALRM, on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, timeout_s)
-    try:
-        reward = float(fn(completion, gold))
-        return (reward if math.isfinite(reward) else 0.0), "ok"
-    except _SoftTimeout:
-        return 0.0, "timeout"
-    except Exception:  # noqa: BLE001
-        return 0.0, "error"
-    finally:
-        if use_alarm:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
-
-
 class RewardPool:
-    """Scores batches with `num_workers` worker processes (0: in process) and a per-item limit of `timeout_s`."""
+    """Scores batches with `num_workers` worker processes (0: one), a per-item limit of `timeout_s` and a cap of
+    `memory_mb` MiB of address space per worker (0: no cap)."""
 
     def __init__(self, fn: str | Callable[[str, Any], float], num_workers: int | None = None,
-                 timeout_s: float = 5.0):
+                 timeout_s: float = 5.0, memory_mb: int = 4096):
         if timeout_s <= 0:
             raise ValueError(f"RewardPool timeout_s must be > 0, got {timeout_s}")
         self.spec = resolve(fn)
@@ -218,9 +201,11 @@ class RewardPool:
         if self.num_workers < 0:
             raise ValueError(f"RewardPool num_workers must be >= 0, got {num_workers}")
         self.timeout_s = float(timeout_s)
+        self.memory_mb = int(memory_mb)
         self.stats = collections.Counter()  # items, timeouts, errors, restarts
+        self._counted = collections.Counter()  # stats at the last take_counts()
         self._lock = threading.Lock()
-        self._workers: list[_Worker] = [_Worker(self.spec) for _ in range(self.num_workers)]
+        self._workers: list[_Worker] = [_Worker(self.spec, self.memory_mb) for _ in range(max(1, self.num_workers))]
         self._closed = False
 
     def score(self, completions: Sequence[str], golds: Sequence[Any], timeout_s: float | None = None) -> np.ndarray:
@@ -232,21 +217,23 @@ class RewardPool:
             if self._closed:
                 raise ValueError("RewardPool is closed; create a new one")
             self.stats["items"] += len(completions)
-            if self.num_workers == 0:
-                return self._score_inline(completions, golds, limit)
             return self._score_workers(completions, golds, limit)
 
-    def _score_inline(self, completions, golds, limit: float) -> np.ndarray:
-        rewards_N = np.zeros(len(completions), np.float32)
-        for i, (completion, gold) in enumerate(zip(completions, golds)):
-            rewards_N[i], status = _call_soft(self.fn, completion, gold, limit)
-            if status != "ok":
-                self.stats[status + "s"] += 1
-        return rewards_N
+    def take_counts(self) -> dict[str, float]:
+        """Items that timed out / failed since the last call, as metrics; warns when a large share failed."""
+        with self._lock:
+            new = self.stats - self._counted
+            self._counted = collections.Counter(self.stats)
+        items, failed = new["items"], new["timeouts"] + new["errors"]
+        if items and failed > FAILED_SHARE_WARNING * items:
+            log.warning("reward %s: %d of %d items timed out (%d) or failed (%d) and scored 0; check the checker, "
+                        "train.reward_timeout and the completions", self.spec, failed, items, new["timeouts"],
+                        new["errors"])
+        return {"rl/reward_timeouts": float(new["timeouts"]), "rl/reward_errors": float(new["errors"])}
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()
-        self._workers[self._workers.index(worker)] = _Worker(self.spec)
+        self._workers[self._workers.index(worker)] = _Worker(self.spec, self.memory_mb)
         self.stats["restarts"] += 1
 
     def _score_workers(self, completions, golds, limit: float) -> np.ndarray:

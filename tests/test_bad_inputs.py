@@ -1,0 +1,121 @@
+"""Bad inputs through the real command lines: each exits 2 with one `error:` line naming the key or file, and no
+traceback. Most cases fail in the up-front config check, before JAX starts; the rest before any training step."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "configs/tiny_test.py"
+
+
+def _prepare_file(tmp: Path) -> dict:
+    (tmp / "a_file").write_text("not a directory")
+    return {"workdir": str(tmp / "a_file")}
+
+
+def _prepare_summary(tmp: Path) -> dict:
+    (tmp / "wd").mkdir()
+    (tmp / "wd" / "summary.json").write_text('{"before": {"pass@1": 0.5')
+    return {}
+
+
+def _prepare_other_model(tmp: Path) -> dict:
+    """A checkpoint whose meta says it was made with another model width."""
+    import jax.numpy as jnp
+    from sage_jax import checkpoint
+    ck = checkpoint.Checkpointer(tmp / "wd" / "rl")
+    ck.save(1, {"w": jnp.zeros(2)}, {"rl_step": 1, "model": {"hidden_size": 32, "num_layers": 2}})
+    ck.close()
+    return {}
+
+
+def _prepare_samples(tmp: Path) -> dict:
+    (tmp / "good.jsonl").write_text(json.dumps({"completion": "x", "reward": 1.0}) + "\n")
+    (tmp / "bad.jsonl").write_text('{"completion": "x"}\n{"completion": "y",}\n')
+    return {}
+
+
+# (case id, command after `python -m`, what the error line must name, prepare the tmp dir, fails before JAX starts)
+CASES = [
+    ("unknown key", ["sage_jax.train", "--config.loss.betta=1"], "loss.betta", None, True),
+    ("override without value", ["sage_jax.train", "--config.loss.beta"], "--config.key=value", None, True),
+    ("bad type", ["sage_jax.train", "--config.train.steps=abc"], "train.steps", None, True),
+    ("missing config file", ["sage_jax.train", "--config", "configs/nonexistent.py"], "configs/nonexistent.py",
+     None, True),
+    ("missing model path", ["sage_jax.train", "--config.model.path=/nonexistent/model"], "/nonexistent/model",
+     None, False),
+    ("mesh does not divide", ["sage_jax.train", "--config.mesh.shape=3,1,1"], "mesh shape", None, False),
+    ("group of one", ["sage_jax.train", "--config.rollout.group_size=1"], "rollout.group_size", None, True),
+    ("group of zero", ["sage_jax.train", "--config.rollout.group_size=0"], "rollout.group_size", None, True),
+    ("ckpt_every zero", ["sage_jax.train", "--config.train.ckpt_every=0"], "train.ckpt_every", None, True),
+    ("eval.n zero", ["sage_jax.train", "--config.eval.n=0"], "eval.n", None, True),
+    ("eval.ks above eval.n", ["sage_jax.train", "--config.eval.ks=1,8"], "eval.ks", None, True),
+    ("negative sft steps", ["sage_jax.train", "--config.sft.steps=-3"], "sft.steps", None, True),
+    ("negative sft steps (sft)", ["sage_jax.sft", "--config.sft.steps=-3"], "sft.steps", None, True),
+    ("sft ckpt_every zero", ["sage_jax.sft", "--config.sft.ckpt_every=0"], "sft.ckpt_every", None, True),
+    ("negative gamma", ["sage_jax.train", "--config.loss.gamma=-5"], "loss.gamma", None, True),
+    ("negative beta", ["sage_jax.train", "--config.loss.beta=-1"], "loss.beta", None, True),
+    ("zero steps", ["sage_jax.train", "--config.train.steps=0"], "train.steps", None, True),
+    ("unknown task", ["sage_jax.train", "--config.data.task=bogus"], "data.task", None, True),
+    ("top_p zero", ["sage_jax.train", "--config.rollout.top_p=0"], "rollout.top_p", None, True),
+    ("zero lr", ["sage_jax.train", "--config.optim.lr=0"], "optim.lr", None, True),
+    ("reward timeout zero", ["sage_jax.train", "--config.train.reward_timeout=0"], "train.reward_timeout", None,
+     True),
+    ("workdir is a file", ["sage_jax.train"], "a_file", _prepare_file, True),
+    ("corrupt summary.json", ["sage_jax.train"], "summary.json", _prepare_summary, False),
+    ("other model in workdir", ["sage_jax.train"], "hidden_size: checkpoint 32, config 64", _prepare_other_model,
+     False),
+    ("patterns: missing file", ["sage_jax.patterns", "{tmp}/good.jsonl", "{tmp}/missing.jsonl"], "missing.jsonl",
+     _prepare_samples, False),
+    ("patterns: bad JSON", ["sage_jax.patterns", "{tmp}/good.jsonl", "{tmp}/bad.jsonl"],
+     "bad.jsonl:2: invalid JSON (Expecting property name enclosed in double quotes at column 20)", _prepare_samples,
+     False),
+]
+
+
+def _env():
+    return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1",
+                PYTHONPATH=str(ROOT))
+
+
+@pytest.mark.parametrize("module_and_args,names,prepare,early", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_line(tmp_path, module_and_args, names, prepare, early):
+    options = prepare(tmp_path) if prepare else {}
+    module, *args = [a.format(tmp=tmp_path) for a in module_and_args]
+    cmd = [sys.executable, "-m", module, *args]
+    if module != "sage_jax.patterns":
+        if "--config" not in args:
+            cmd += ["--config", TINY]
+        cmd += ["--workdir", options.get("workdir", str(tmp_path / "wd"))]
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert len(errors) == 1 and errors[0] == lines[-1] and names in errors[0], r.stderr[-3000:]
+    if early:  # rejected before any work: the error is all that is printed
+        assert lines == errors, r.stderr
+
+
+def test_ctrl_c_exits_130_with_a_resume_hint(tmp_path):
+    workdir = tmp_path / "wd"
+    cmd = [sys.executable, "-m", "sage_jax.train", "--config", TINY, "--workdir", str(workdir),
+           "--config.train.steps=50"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (workdir / "rl" / "checkpoints" / "1").exists():  # interrupt mid-training, threads running
+        assert proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted: rerun the same command" in err and "Traceback" not in err
