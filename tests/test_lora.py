@@ -1,0 +1,171 @@
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sage_jax import hf_io, lora, model, sharding
+from tests.helpers_hf import tiny_hf_model, torch_logits
+
+CFG = model.preset("tiny", vocab_size=128, num_layers=2, hidden_size=32, num_heads=4, head_dim=8, num_kv_heads=2,
+                   intermediate_size=48)
+LCFG = lora.LoraConfig(rank=4, alpha=8.0)
+TOKENS = np.array([[5, 17, 3, 60, 94, 1, 22, 8], [9, 9, 40, 2, 71, 33, 12, 0]], np.int32)
+MASK = np.array([[1] * 8, [0, 0, 0, 1, 1, 1, 1, 1]], np.int32)
+
+
+def _trained_like(adapters, seed=1, std=0.3):
+    """Adapters whose B is no longer zero, as after some training."""
+    keys = iter(jax.random.split(jax.random.key(seed), 2 * len(adapters)))
+    return {w: {"a": ad["a"], "b": std * jax.random.normal(next(keys), ad["b"].shape)} for w, ad in adapters.items()}
+
+
+@pytest.fixture(scope="module")
+def base():
+    return model.init_params(CFG, jax.random.key(0), std=0.1)
+
+
+def test_fresh_adapters_leave_the_model_unchanged(base):
+    adapters = lora.init_adapters(CFG, LCFG, jax.random.key(1))
+    assert all(float(jnp.abs(ad["a"]).max()) > 0 and not ad["b"].any() for ad in adapters.values())
+    bound = 1 / np.sqrt(CFG.hidden_size)  # PEFT's lora_A init: uniform in +-1/sqrt(fan_in)
+    assert float(jnp.abs(adapters["wq"]["a"]).max()) <= bound
+    np.testing.assert_array_equal(model.forward(CFG, lora.apply(base, adapters, LCFG), TOKENS, mask_BxT=MASK),
+                                  model.forward(CFG, base, TOKENS, mask_BxT=MASK))
+
+
+def test_adapted_forward_equals_merged_weights(base):
+    adapters = _trained_like(lora.init_adapters(CFG, LCFG, jax.random.key(1)))
+    viewed = model.forward(CFG, lora.apply(base, adapters, LCFG), TOKENS, mask_BxT=MASK)
+    merged = model.forward(CFG, lora.merge(CFG, LCFG, base, adapters), TOKENS, mask_BxT=MASK)
+    np.testing.assert_allclose(viewed, merged, atol=1e-5)
+    assert float(jnp.abs(viewed - model.forward(CFG, base, TOKENS, mask_BxT=MASK)).max()) > 1e-2
+    # the KV-cache path (the sampler's) runs the same adapted layers
+    cache = model.init_cache(CFG, 2, 8)
+    step, _ = model.forward_with_cache(CFG, lora.apply(base, adapters, LCFG), jnp.asarray(TOKENS),
+                                       model.default_positions(jnp.asarray(MASK)), cache, 0, jnp.asarray(MASK))
+    np.testing.assert_allclose(np.asarray(step)[MASK.astype(bool)], np.asarray(merged)[MASK.astype(bool)], atol=1e-5)
+
+
+def test_gradients_reach_only_the_adapters(base):
+    adapters = _trained_like(lora.init_adapters(CFG, LCFG, jax.random.key(1)))
+    targets = jnp.roll(TOKENS, -1, axis=1)
+
+    def loss(ad, b):
+        return model.logprobs_and_entropy(CFG, lora.apply(b, ad, LCFG), TOKENS, targets, mask_BxT=MASK)[0].sum()
+    g_ad, g_base = jax.grad(loss, argnums=(0, 1))(adapters, base)
+    assert jax.tree.structure(g_ad) == jax.tree.structure(adapters)
+    assert all(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(g_ad))
+    # what the trainer differentiates is the adapters alone; the base's gradient exists but is never asked for
+    assert jax.tree.structure(jax.grad(loss)(adapters, base)) == jax.tree.structure(adapters)
+    assert jax.tree.structure(g_base) == jax.tree.structure(base)
+
+
+def test_dropout_is_keyed_and_off_without_a_key(base):
+    lcfg = lora.LoraConfig(rank=4, alpha=8.0, dropout=0.5)
+    adapters = _trained_like(lora.init_adapters(CFG, lcfg, jax.random.key(1)))
+    plain = model.forward(CFG, lora.apply(base, adapters, lcfg), TOKENS)
+    a = model.forward(CFG, lora.apply(base, adapters, lcfg, jax.random.key(3)), TOKENS)
+    b = model.forward(CFG, lora.apply(base, adapters, lcfg, jax.random.key(3)), TOKENS)
+    c = model.forward(CFG, lora.apply(base, adapters, lcfg, jax.random.key(4)), TOKENS)
+    np.testing.assert_array_equal(a, b)
+    assert float(jnp.abs(a - plain).max()) > 1e-3 and float(jnp.abs(a - c).max()) > 1e-3
+
+
+def test_targets_and_config_errors():
+    attn_only = lora.LoraConfig(rank=2, alpha=4.0, targets=("q_proj", "v_proj"))
+    assert attn_only.weights == ("wq", "wv") and set(lora.init_adapters(CFG, attn_only, jax.random.key(0))) == {
+        "wq", "wv"}
+    assert lora.num_params(CFG, attn_only) == 2 * 2 * ((32 + 32) + (32 + 16))  # layers * rank * (in + out)
+    with pytest.raises(ValueError, match="unknown.*'qkv'"):
+        lora.LoraConfig(rank=2, alpha=4.0, targets=("qkv",))
+    with pytest.raises(ValueError, match="rank=0"):
+        lora.LoraConfig(rank=0, alpha=4.0)
+
+
+def test_sharded_adapters_follow_their_weights():
+    mesh = sharding.make_mesh((1, 2, 4))
+    cfg = CFG.replace(num_kv_heads=4)
+    adapters = lora.init_adapters(cfg, LCFG, jax.random.key(0), mesh=mesh)
+    P = jax.sharding.PartitionSpec
+    assert adapters["wq"]["a"].sharding.spec == P(None, "fsdp", None)
+    assert adapters["wq"]["b"].sharding.spec == P(None, None, "tensor", None)
+    assert adapters["w_down"]["a"].sharding.spec == P(None, "tensor", None)
+
+
+# --------------------------------------------------------------------------------------------------- PEFT
+
+@pytest.mark.parametrize("arch,tied", [("qwen2", False), ("qwen3", True), ("llama", True)])
+def test_peft_export_gives_the_same_logits_in_peft(tmp_path, arch, tied):
+    import peft
+    import torch
+    import transformers
+
+    src = tiny_hf_model(tmp_path / "base", arch=arch, tied=tied, head_dim=8)
+    cfg, base = hf_io.load_hf(src)
+    lcfg = lora.LoraConfig(rank=4, alpha=16.0)
+    adapters = _trained_like(lora.init_adapters(cfg, lcfg, jax.random.key(2)), std=0.5)
+    ours = np.asarray(model.forward(cfg, lora.apply(base, adapters, lcfg), TOKENS, mask_BxT=MASK))
+
+    lora.export(tmp_path / "out", cfg, lcfg, base, adapters)
+    written = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
+    assert (written["r"], written["lora_alpha"], len(written["target_modules"])) == (4, 16.0, 7)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    peft_model = peft.PeftModel.from_pretrained(hf_model, tmp_path / "out" / "adapter").eval()
+    mask_t = torch.as_tensor(MASK, dtype=torch.long)
+    with torch.no_grad():
+        theirs = peft_model(torch.as_tensor(TOKENS, dtype=torch.long), attention_mask=mask_t,
+                            position_ids=(mask_t.cumsum(-1) - 1).clamp(min=0)).logits.numpy()
+    real = MASK.astype(bool)
+    np.testing.assert_allclose(ours[real], theirs[real], atol=1e-4, rtol=0)
+    assert np.abs(ours - np.asarray(model.forward(cfg, base, TOKENS, mask_BxT=MASK)))[real].max() > 1e-2
+
+    # the merged export is a plain HF model with the same logits
+    merged = torch_logits(tmp_path / "out" / "merged", TOKENS, MASK)
+    np.testing.assert_allclose(ours[real], merged[real], atol=1e-4, rtol=0)
+
+    # and the PEFT directory loads back to continue training
+    lcfg2, adapters2 = lora.load_peft(tmp_path / "out" / "adapter", cfg)
+    assert lcfg2 == lcfg
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), adapters, adapters2)
+    started = lora.init_adapters(cfg, dataclasses_replace(lcfg, init_from=str(tmp_path / "out" / "adapter")),
+                                 jax.random.key(9))
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), adapters, started)
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+    return dataclasses.replace(obj, **kw)
+
+
+def test_adapter_written_by_peft_loads(tmp_path):
+    """An adapter peft itself trained-and-saved (attention only) loads into the same logits."""
+    import peft
+    import torch
+    import transformers
+
+    src = tiny_hf_model(tmp_path / "base", arch="qwen2", head_dim=8)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    pm = peft.get_peft_model(hf_model, peft.LoraConfig(r=2, lora_alpha=6, target_modules=["q_proj", "o_proj"]))
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    pm.save_pretrained(tmp_path / "peft")
+    with torch.no_grad():
+        theirs = pm.eval()(torch.as_tensor(TOKENS, dtype=torch.long)).logits.numpy()
+    cfg, base = hf_io.load_hf(src)
+    lcfg, adapters = lora.load_peft(tmp_path / "peft", cfg)
+    assert (lcfg.rank, lcfg.alpha, lcfg.weights) == (2, 6.0, ("wq", "wo"))
+    np.testing.assert_allclose(np.asarray(model.forward(cfg, lora.apply(base, adapters, lcfg), TOKENS)), theirs,
+                               atol=1e-4, rtol=0)
+
+
+def test_unsupported_peft_config_is_one_clear_error(tmp_path):
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,
+                                                              "target_modules": ["q_proj"], "use_dora": True}))
+    with pytest.raises(ValueError, match="use_dora=True not supported"):
+        lora.load_peft(tmp_path, CFG)
+    with pytest.raises(FileNotFoundError, match="adapter_config.json"):
+        lora.load_peft(tmp_path / "nowhere", CFG)
