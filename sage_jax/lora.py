@@ -240,7 +240,8 @@ def load_peft(path: str | os.PathLike, cfg: ModelConfig) -> tuple[LoraConfig, Pa
     return lcfg, out
 
 
-def export(out_dir: str | os.PathLike, cfg: ModelConfig, lcfg: LoraConfig, base: Params, adapters: Params) -> None:
-    """OUT/adapter (PEFT) and OUT/merged (a plain HF model with the adapters folded in). Call on every process."""
-    save_peft(os.path.join(out_dir, "adapter"), cfg, lcfg, adapters)
-    hf_io.save_hf(os.path.join(out_dir, "merged"), cfg, jax.jit(lambda b, a: merge(cfg, lcfg, b, a))(base, adapters))
+def export(merged_dir: str | os.PathLike, adapter_dir: str | os.PathLike, cfg: ModelConfig, lcfg: LoraConfig,
+           base: Params, adapters: Params) -> None:
+    """A plain HF model with the adapters folded in, and the PEFT adapter directory. Call on every process."""
+    save_peft(adapter_dir, cfg, lcfg, adapters)
+    hf_io.save_hf(merged_dir, cfg, jax.jit(lambda b, a: merge(cfg, lcfg, b, a))(base, adapters))

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from sage_jax import model as model_lib
-from sage_jax import checkpoint, evaluation, objectives, rollouts, sampler, sharding, tasks
+from sage_jax import checkpoint, evaluation, lora, objectives, rollouts, sampler, sharding, tasks
 from sage_jax import logging as slog
 from sage_jax.rewards.pool import RewardPool
 
@@ -90,18 +90,20 @@ def init_state(params, tx) -> dict[str, Any]:
     return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
 
-def state_shardings(params, tx, cfg, mesh, rules):
-    """Shardings of the train state: optimizer moments take their param's sharding (never replicated)."""
-    param_sh = sharding.param_shardings(cfg, mesh, rules)
+def state_shardings(params, tx, cfg, mesh, rules, param_sh=None):
+    """Shardings of the train state: optimizer moments take their param's sharding (never replicated).
+
+    param_sh: the trained params' shardings when they are not the model's (LoRA: lora.shardings)."""
+    param_sh = sharding.param_shardings(cfg, mesh, rules) if param_sh is None else param_sh
     abstract = jax.eval_shape(lambda p: init_state(p, tx), params)
     opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, abstract["opt_state"], param_sh,
                                    transform_non_params=lambda _: sharding.replicated(mesh))
     return {"step": sharding.replicated(mesh), "params": param_sh, "opt_state": opt_sh}
 
 
-def create_state(params, tx, cfg, mesh, rules):
+def create_state(params, tx, cfg, mesh, rules, param_sh=None):
     """The train state, born sharded (params donated into it)."""
-    shardings = state_shardings(params, tx, cfg, mesh, rules)
+    shardings = state_shardings(params, tx, cfg, mesh, rules, param_sh)
     state = jax.jit(lambda p: init_state(p, tx), out_shardings=shardings, donate_argnums=0)(params)
     return state, shardings
 
@@ -109,32 +111,36 @@ def create_state(params, tx, cfg, mesh, rules):
 # --------------------------------------------------------------------------------------------------- step
 
 def make_train_step(cfg, loss_cfg: objectives.LossConfig, tx, schedule, seed: int, grad_accum: int = 1,
-                    shardings=None, loss_fn=None):
+                    shardings=None, loss_fn=None, lora_cfg=None, base_shardings=None):
     """jitted train_step(state, batch) -> (state, metrics); state is donated.
 
     batch holds [N, ...] arrays (see objectives.loss_fn) and a scalar `rl_step` that keys the guides' randomness
     and schedules. With grad_accum > 1 the rows are split into micro-batches whose gradients are averaged.
+    With lora_cfg, state["params"] are the adapters and the step is train_step(state, batch, base): the loss sees
+    the frozen base with the adapters on, and only the adapters get gradients.
     """
     loss_fn = loss_fn or objectives.loss_fn
 
-    def grads_of(params, arrays, rl_step, key):
-        return jax.value_and_grad(loss_fn, has_aux=True)(params, arrays, cfg, loss_cfg, rl_step, key)
+    def grads_of(params, arrays, rl_step, key, base):
+        f = loss_fn if lora_cfg is None else lambda p, *rest: loss_fn(lora.apply(base, p, lora_cfg, key), *rest)
+        return jax.value_and_grad(f, has_aux=True)(params, arrays, cfg, loss_cfg, rl_step, key)
 
-    def train_step(state, batch):
+    def train_step(state, batch, base=None):
         rl_step = batch["rl_step"]
         arrays = {k: v for k, v in batch.items() if k != "rl_step"}
         key = jax.random.fold_in(jax.random.key(seed), rl_step)
         if grad_accum == 1:
-            (_, metrics), grads = grads_of(state["params"], arrays, rl_step, key)
+            (_, metrics), grads = grads_of(state["params"], arrays, rl_step, key, base)
         else:
             # strided split: micro-batch m holds rows m, m+A, ..., so each device keeps its own rows
             micro = jax.tree.map(lambda a: a.reshape(a.shape[0] // grad_accum, grad_accum, *a.shape[1:]).swapaxes(0, 1),
                                  arrays)
 
             def body(acc, mb):
-                (_, m), g = grads_of(state["params"], mb, rl_step, key)
+                (_, m), g = grads_of(state["params"], mb, rl_step, key, base)
                 return jax.tree.map(jnp.add, acc, (g, m)), None
-            (_, m0), g0 = jax.eval_shape(grads_of, state["params"], jax.tree.map(lambda a: a[0], micro), rl_step, key)
+            (_, m0), g0 = jax.eval_shape(grads_of, state["params"], jax.tree.map(lambda a: a[0], micro), rl_step, key,
+                                         base)
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (g0, m0))
             (grads, metrics), _ = jax.lax.scan(body, zeros, micro)
             grads, metrics = jax.tree.map(lambda x: x / grad_accum, (grads, metrics))
@@ -145,7 +151,8 @@ def make_train_step(cfg, loss_cfg: objectives.LossConfig, tx, schedule, seed: in
 
     if shardings is None:
         return jax.jit(train_step, donate_argnums=0)
-    return jax.jit(train_step, donate_argnums=0, in_shardings=(shardings, None), out_shardings=(shardings, None))
+    in_shardings = (shardings, None) if lora_cfg is None else (shardings, None, base_shardings)
+    return jax.jit(train_step, donate_argnums=0, in_shardings=in_shardings, out_shardings=(shardings, None))
 
 
 def sequence_logprobs(cfg, params, tokens_NxT, mask_NxT, *, prompt_len: int, temperature: float,
@@ -258,13 +265,25 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
         if params_override is not None:
             params = jax.device_put(params_override, sharding.param_shardings(cfg, mesh, rules))
         ref_cfg = cfg.replace(compute_dtype=config.model.ref_dtype)
-        ref_params = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(config.model.ref_dtype), p))(params)
+        # LoRA: the loaded weights stay frozen and are the reference as they are (no second copy); the state holds
+        # only the adapters and their optimizer moments, and every use of the policy goes through lora.policy.
+        lora_cfg = lora.LoraConfig.from_config(config.model.lora)
+        base, frozen, trained_sh, base_sh = None, (), None, None
+        if lora_cfg is None:
+            ref_params = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(config.model.ref_dtype), p))(params)
+        else:
+            base = ref_params = params
+            frozen, trained_sh = (base,), lora.shardings(cfg, lora_cfg, mesh, rules)
+            base_sh = sharding.param_shardings(cfg, mesh, rules)
+            params = lora.init_adapters(cfg, lora_cfg, jax.random.key(config.seed), mesh, rules)
         loss_cfg = loss_config(config)
         updates_per_step = optim.num_iterations * optim.mini_batches
         tx, schedule = make_optimizer(optim, tr.steps * updates_per_step)
-        state, shardings = create_state(params, tx, cfg, mesh, rules)
+        state, shardings = create_state(params, tx, cfg, mesh, rules, trained_sh)
         del params
-        train_step = make_train_step(cfg, loss_cfg, tx, schedule, config.seed, optim.grad_accum, shardings)
+        train_step = make_train_step(cfg, loss_cfg, tx, schedule, config.seed, optim.grad_accum, shardings,
+                                     lora_cfg=lora_cfg, base_shardings=base_sh)
+        policy = lambda: lora.policy(base, state["params"], lora_cfg)  # LoRA: base + adapters, else the params
 
         # restore
         ckpt = checkpoint.Checkpointer(os.path.join(workdir, "rl"), keep=tr.keep_ckpts)
@@ -284,14 +303,14 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
         with RewardPool(tr.reward if tr.reward else task.reward, num_workers=tr.reward_workers,
                         timeout_s=tr.reward_timeout) as pool:
             if config.eval.at_start and "before" not in summary and task.evals:
-                summary["before"] = run_eval(task, cfg, state["params"], config,
+                summary["before"] = run_eval(task, cfg, policy(), config,
                                              os.path.join(workdir, "eval", "before"), pool, "before")
                 _write_summary(summary_path, summary, primary)
             progress = slog.Progress(total=tr.steps, initial=start, enabled=tr.progress and primary)
             last_good = start if restored is not None else None
             for rl_step in range(start, tr.steps):
                 t0 = time.perf_counter()
-                ro, stats = _rl_step_data(task, cfg, state["params"], config, rl_step, pool, loss_cfg)
+                ro, stats = _rl_step_data(task, cfg, policy(), config, rl_step, pool, loss_cfg)
                 t_rollout = time.perf_counter() - t0
                 adv = objectives.group_advantages(jnp.asarray(ro["rewards"]), ro_cfg.group_size,
                                                   scale=loss_cfg.adv_scale, eps=loss_cfg.adv_eps,
@@ -303,15 +322,14 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
                 no_grad = dict(prompt_len=P, temperature=loss_cfg.temperature, rows_per_pass=tr.logprob_rows)
                 dev["ref_logp"], _ = sequence_logprobs(ref_cfg, ref_params, dev["tokens"], dev["mask"], **no_grad)
                 if updates_per_step > 1 or loss_cfg.kl_in_reward:
-                    dev["old_logp"], old_ent = sequence_logprobs(cfg, state["params"], dev["tokens"], dev["mask"],
-                                                                 **no_grad)
+                    dev["old_logp"], old_ent = sequence_logprobs(cfg, policy(), dev["tokens"], dev["mask"], **no_grad)
                 if loss_cfg.kl_in_reward:
                     dev["advantages"] = _advantages_with_kl_penalty(ro, dev, old_ent, loss_cfg, rl_step, config)
                 dev["rl_step"] = np.int32(rl_step)
                 t1 = time.perf_counter()
                 for _ in range(optim.num_iterations):
                     for mb in _mini_batches(dev, optim.mini_batches, ro_cfg.group_size, rl_step):
-                        state, metrics = train_step(state, mb)
+                        state, metrics = train_step(state, mb, *frozen)
                 host = {**stats, "rl/reward": float(ro["rewards"].mean()), "rl/accuracy": float(ro["correct"].mean()),
                         "rl/truncated": float((~ro["finished"]).mean()),
                         "rl/gen_len": float(ro["lengths"].mean()),
@@ -333,7 +351,7 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
                     ckpt.save(done, state, {"rl_step": done, "seed": config.seed})
                     last_good = done
                 if tr.eval_every and done % tr.eval_every == 0 and done != tr.steps:
-                    res = run_eval(task, cfg, state["params"], config, os.path.join(workdir, "eval", f"step{done}"),
+                    res = run_eval(task, cfg, policy(), config, os.path.join(workdir, "eval", f"step{done}"),
                                    pool, f"step{done}")
                     logger.log(rl_step, {f"eval/{d}/{k}": v for d, r in res["datasets"].items()
                                          for k, v in r.items()})
@@ -341,16 +359,20 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
             progress.close()
             ckpt.wait()
             if config.eval.at_end and task.evals and ("after" not in summary or summary.get("after_step") != tr.steps):
-                summary["after"] = run_eval(task, cfg, state["params"], config,
+                summary["after"] = run_eval(task, cfg, policy(), config,
                                             os.path.join(workdir, "eval", "after"), pool, "after")
                 summary["after_step"] = tr.steps
                 _write_summary(summary_path, summary, primary)
-        if tr.export_hf:
+        if tr.export_hf and lora_cfg is not None:  # LoRA: the merged model, and the adapter as PEFT writes it
+            lora.export(os.path.join(workdir, "hf_export"), os.path.join(workdir, "peft_adapter"), cfg, lora_cfg,
+                        base, state["params"])
+        elif tr.export_hf:
             model_lib.save_hf(os.path.join(workdir, "hf_export"), cfg, state["params"])
         ckpt.close()
         logger.close()
     summary["state"] = state
     summary["model_cfg"] = cfg
+    summary["policy"] = policy()  # the params to sample the trained policy with (with LoRA: base + adapters)
     return summary
 
 
@@ -408,7 +430,7 @@ def _write_summary(path, summary, primary):
     """summary.json, and next to it pass_at_k.png: one curve per (phase, eval set) that has been evaluated."""
     if not primary:
         return
-    evaluation.write_json(path, {k: v for k, v in summary.items() if k not in ("state", "model_cfg")})
+    evaluation.write_json(path, {k: v for k, v in summary.items() if k not in ("state", "model_cfg", "policy")})
     curves = {f"{phase}: {name}": {int(k.split("@")[1]): v for k, v in table.items()}
               for phase in ("before", "after") if phase in summary
               for name, table in summary[phase].get("datasets", {}).items()}

@@ -108,7 +108,7 @@ def test_peft_export_gives_the_same_logits_in_peft(tmp_path, arch, tied):
     adapters = _trained_like(lora.init_adapters(cfg, lcfg, jax.random.key(2)), std=0.5)
     ours = np.asarray(model.forward(cfg, lora.apply(base, adapters, lcfg), TOKENS, mask_BxT=MASK))
 
-    lora.export(tmp_path / "out", cfg, lcfg, base, adapters)
+    lora.export(tmp_path / "out" / "merged", tmp_path / "out" / "adapter", cfg, lcfg, base, adapters)
     written = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
     assert (written["r"], written["lora_alpha"], len(written["target_modules"])) == (4, 16.0, 7)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
@@ -169,3 +169,63 @@ def test_unsupported_peft_config_is_one_clear_error(tmp_path):
         lora.load_peft(tmp_path, CFG)
     with pytest.raises(FileNotFoundError, match="adapter_config.json"):
         lora.load_peft(tmp_path / "nowhere", CFG)
+
+
+# --------------------------------------------------------------------------------------------------- training
+
+def _lora_run_config(steps, **overrides):
+    from sage_jax import config as config_lib
+    flags = {"model.lora.rank": 4, "model.lora.alpha": 8.0, "train.steps": steps, "train.ckpt_every": 1,
+             "optim.lr": 1e-2, **overrides}
+    return config_lib.load("configs/tiny_test.py", [f"--config.{k}={v}" for k, v in flags.items()])
+
+
+def _metrics(workdir):
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "rl/kl_ref" in r}
+
+
+def test_rl_with_lora_trains_only_adapters_against_the_base(tmp_path):
+    from sage_jax import checkpoint, tasks, trainer
+    config = _lora_run_config(3, **{"train.export_hf": True})
+    summary = trainer.run_rl(config, str(tmp_path))
+    cfg, policy = summary["model_cfg"], summary["policy"]
+    _, init_base = trainer.load_or_init_params(config, sharding.make_mesh((1, -1, 1)), None,
+                                               tasks.build(config).tokenizer)
+    # the state is the adapters and their Adam moments; the base the policy runs on is the untouched initial weights
+    assert set(summary["state"]["params"]) == set(lora.MODULES)
+    assert jax.tree.structure(summary["state"]["opt_state"][1][0].mu) == jax.tree.structure(
+        summary["state"]["params"])
+    frozen = {k: v for k, v in policy.items() if k != "layers"} | {
+        "layers": {k: v for k, v in policy["layers"].items() if k != "lora"}}
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), frozen, init_base)
+    assert any(float(jnp.abs(ad["b"]).max()) > 0 for ad in summary["state"]["params"].values())
+    # the reference is the base with adapters off: KL to it is 0 while B = 0 (step 0), then grows
+    kl_ref = {s: m["rl/kl_ref"] for s, m in _metrics(tmp_path).items()}
+    assert abs(kl_ref[0]) < 1e-6 and kl_ref[2] > 1e-5, kl_ref
+    # checkpoints hold only the adapters' state
+    _, saved, _ = checkpoint.Checkpointer(str(tmp_path / "rl")).restore_raw(3)
+    assert set(saved["params"]) == set(lora.MODULES)
+    # the exports: a merged HF model and a PEFT adapter, both giving the adapted policy's logits
+    tokens = np.array([[3, 4, 5, 6, 7, 8]], np.int32)
+    adapted = np.asarray(model.forward(cfg, policy, tokens))
+    _, merged = hf_io.load_hf(tmp_path / "hf_export")
+    np.testing.assert_allclose(np.asarray(model.forward(cfg, merged, tokens)), adapted, atol=1e-4)
+    _, adapters = lora.load_peft(tmp_path / "peft_adapter", cfg)
+    np.testing.assert_allclose(np.asarray(model.forward(cfg, lora.apply(init_base, adapters, lora.LoraConfig(
+        rank=4, alpha=8.0)), tokens)), adapted, atol=1e-5)
+
+
+def test_rl_with_lora_resumes_to_the_same_adapters(tmp_path):
+    """Stopped after 2 of 4 steps and restarted from its checkpoint, a LoRA run ends with the same adapters."""
+    from sage_jax import trainer
+    full = trainer.run_rl(_lora_run_config(4), str(tmp_path / "full"))["state"]
+    trainer.run_rl(_lora_run_config(2), str(tmp_path / "resumed"))
+    resumed = trainer.run_rl(_lora_run_config(4), str(tmp_path / "resumed"))["state"]
+    logged = [json.loads(line)["step"] for line in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
+              if "rl/kl_ref" in line]
+    assert logged == [0, 1, 2, 3]  # the restart continued at step 2 (from the checkpoint), it did not start over
+    assert int(resumed["step"]) == int(full["step"]) == 4
+    for a, b in zip(jax.tree.leaves((full["params"], full["opt_state"])),
+                    jax.tree.leaves((resumed["params"], resumed["opt_state"]))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
