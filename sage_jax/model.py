@@ -14,8 +14,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from sage_jax import rope as rope_lib
 from sage_jax.sharding import constrain
 
 Params = dict[str, Any]
@@ -36,7 +36,7 @@ class ModelConfig:
     qkv_bias: bool = True
     max_position_embeddings: int = 32768
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each query and key head, before RoPE
-    # HF rope_parameters beyond rope_theta, as sorted (key, value) pairs; () is plain RoPE. See rope_frequencies.
+    # HF rope_parameters beyond rope_theta, as sorted (key, value) pairs; () is plain RoPE. See rope.frequencies.
     rope_scaling: tuple[tuple[str, Any], ...] = ()
     architecture: str = "qwen2"  # "qwen2" | "qwen3" | "llama" (weights differ only by the switches above)
     param_dtype: str = "float32"
@@ -160,57 +160,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (x32.astype(x.dtype) * weight.astype(x.dtype))
 
 
-def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
-    """(inverse frequencies [head_dim / 2], cos/sin scale) of cfg's RoPE, following HF's rope_type conventions.
-
-    "linear" divides every frequency by `factor`; "llama3" divides only the low frequencies (wavelengths above
-    original_max_position_embeddings / low_freq_factor), keeps the high ones and blends in between; "yarn" blends
-    interpolated and extrapolated frequencies by a ramp over the dimensions and scales cos/sin by attention_factor.
-    """
-    hd = cfg.head_dim
-    exponents = np.arange(0, hd, 2, dtype=np.float32) / hd
-    inv_freq = (1.0 / cfg.rope_theta ** exponents).astype(np.float32)
-    p = dict(cfg.rope_scaling)
-    kind = p.get("rope_type", "default")
-    if kind == "default":
-        return inv_freq, 1.0
-    factor = float(p["factor"])
-    original = int(p.get("original_max_position_embeddings") or cfg.max_position_embeddings)
-    if kind == "linear":
-        return inv_freq / factor, 1.0
-    if kind == "llama3":
-        low, high = float(p["low_freq_factor"]), float(p["high_freq_factor"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = np.where(wavelen > original / low, inv_freq / factor, inv_freq)
-        smooth = (original / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= original / high) & (wavelen <= original / low)
-        return np.where(medium, blended, scaled).astype(np.float32), 1.0
-    if kind == "yarn":
-        mscale = lambda m: 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
-        attention_factor = p.get("attention_factor") or (
-            mscale(p["mscale"]) / mscale(p["mscale_all_dim"]) if p.get("mscale") and p.get("mscale_all_dim")
-            else mscale(1.0))
-        beta_fast, beta_slow = float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1)
-        # the dimension at which a wavelength makes `rotations` turns over the original context
-        dim_of = lambda rotations: hd * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
-        lo, hi = dim_of(beta_fast), dim_of(beta_slow)
-        if p.get("truncate", True):
-            lo, hi = math.floor(lo), math.ceil(hi)
-        lo, hi = max(lo, 0), min(hi, hd - 1)
-        ramp = np.clip((np.arange(hd // 2, dtype=np.float32) - lo) / ((hi - lo) or 0.001), 0, 1)
-        inv = (inv_freq / factor) * ramp + inv_freq * (1 - ramp)
-        return inv.astype(np.float32), float(attention_factor)
-    raise ValueError(f"rope_type={kind!r} is not implemented; use 'default', 'linear', 'llama3' or 'yarn'")
-
-
-def rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, inv_freq: np.ndarray, scale: float = 1.0) -> jax.Array:
-    angles = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B,T,hd/2]
-    cos = (jnp.cos(angles) * scale)[:, :, None, :]
-    sin = (jnp.sin(angles) * scale)[:, :, None, :]
-    x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BxTxNxH.dtype)
+def rope_frequencies(cfg: ModelConfig):
+    """(inverse frequencies [head_dim / 2], cos/sin scale) of cfg's RoPE variant (rope.frequencies)."""
+    return rope_lib.frequencies(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling), cfg.max_position_embeddings)
 
 
 def _attention(cfg: ModelConfig, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, allowed_BxTxS) -> jax.Array:
@@ -280,7 +232,7 @@ def _block(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, allowed_BxTxS, 
         q, k = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q = constrain(q, ("batch", "seq", "heads", "head_dim"))
     inv_freq, scale = rope_frequencies(cfg)
-    q, k = rope(q, positions_BxT, inv_freq, scale), rope(k, positions_BxT, inv_freq, scale)
+    q, k = rope_lib.apply(q, positions_BxT, inv_freq, scale), rope_lib.apply(k, positions_BxT, inv_freq, scale)
     if kv_cache is not None:
         write = lambda c, x: jax.lax.dynamic_update_slice_in_dim(c, x.swapaxes(1, 2).astype(c.dtype), cache_index, 2)
         kv_cache = (write(kv_cache[0], k), write(kv_cache[1], v))
