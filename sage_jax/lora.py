@@ -33,6 +33,7 @@ MODULES = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj",
 _HF_PREFIX = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+_DROPOUT_STREAM = 0x4C6F5241  # "LoRA": folded into the step's key for the dropout masks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,9 +121,10 @@ def init_adapters(cfg: ModelConfig, lcfg: LoraConfig, key: jax.Array, mesh=None,
     """Adapters born on their shardings (when a mesh is given): random (B = 0), or read from lcfg.init_from."""
     if lcfg.init_from:
         loaded_cfg, adapters = load_peft(lcfg.init_from, cfg)
-        if (loaded_cfg.rank, loaded_cfg.weights) != (lcfg.rank, lcfg.weights):
-            raise ValueError(f"{lcfg.init_from}: adapter has rank {loaded_cfg.rank} on {list(loaded_cfg.targets)}, "
-                             f"but model.lora asks for rank {lcfg.rank} on {list(lcfg.targets)}; make them match")
+        if (loaded_cfg.rank, loaded_cfg.alpha, loaded_cfg.weights) != (lcfg.rank, lcfg.alpha, lcfg.weights):
+            raise ValueError(f"{lcfg.init_from}: adapter has rank {loaded_cfg.rank}, alpha {loaded_cfg.alpha} on "
+                             f"{list(loaded_cfg.targets)}, but model.lora asks for rank {lcfg.rank}, alpha "
+                             f"{lcfg.alpha} on {list(lcfg.targets)}; set model.lora to match the adapter")
         return adapters if mesh is None else jax.device_put(adapters, shardings(cfg, lcfg, mesh, rules))
     init = lambda k: random_adapters(cfg, lcfg, k)
     if mesh is None:
@@ -140,7 +142,8 @@ def apply(base: Params, adapters: Params, lcfg: LoraConfig, key: jax.Array | Non
         lora[w] = {"a": ad["a"], "b": ad["b"] * lcfg.scale}
         if key is not None and lcfg.dropout > 0:
             L = ad["a"].shape[0]
-            lora[w] |= {"key": jax.random.split(jax.random.fold_in(key, i), L),
+            own = jax.random.fold_in(jax.random.fold_in(key, _DROPOUT_STREAM), i)  # apart from the caller's draws
+            lora[w] |= {"key": jax.random.split(own, L),
                         "keep": jnp.full((L,), 1.0 - lcfg.dropout, jnp.float32)}
     return {**base, "layers": {**base["layers"], "lora": lora}}
 

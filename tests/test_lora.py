@@ -229,3 +229,11 @@ def test_rl_with_lora_resumes_to_the_same_adapters(tmp_path):
     for a, b in zip(jax.tree.leaves((full["params"], full["opt_state"])),
                     jax.tree.leaves((resumed["params"], resumed["opt_state"]))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_init_from_a_mismatched_adapter_is_one_clear_error(tmp_path):
+    adapters = lora.init_adapters(CFG, LCFG, jax.random.key(0))
+    lora.save_peft(tmp_path, CFG, LCFG, adapters)
+    other = lora.LoraConfig(rank=8, alpha=8.0, init_from=str(tmp_path))
+    with pytest.raises(ValueError, match="adapter has rank 4, alpha 8.0.*asks for rank 8"):
+        lora.init_adapters(CFG, other, jax.random.key(0))
