@@ -149,6 +149,15 @@ def test_sharded_load_matches_single_device(hf_dirs):
     np.testing.assert_allclose(np.asarray(logits), np.asarray(model.forward(cfg, single, TOKENS)), atol=1e-5)
 
 
+def test_sharded_load_qwen3_matches_single_device(hf_dirs):
+    cfg, single = hf_io.load_hf(hf_dirs["qwen3_untied"])
+    mesh = sharding.make_mesh((1, 4, 2))
+    cfg_s, sharded = hf_io.load_hf(hf_dirs["qwen3_untied"], mesh=mesh)
+    assert cfg_s == cfg and sharded["layers"]["q_norm"].sharding.spec == P(None, None)
+    assert sharded["layers"]["wq"].sharding.spec == P(None, "fsdp", "tensor", None)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), single, sharded)
+
+
 def test_bf16_load_and_save(hf_dirs, tmp_path):
     src = tiny_hf_model(tmp_path / "bf16", arch="qwen2", dtype="bfloat16")
     cfg, params = hf_io.load_hf(src, dtype=jnp.bfloat16)
