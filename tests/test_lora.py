@@ -238,6 +238,11 @@ def test_rl_with_lora_trains_only_adapters_against_the_base(tmp_path):
     _, adapters = lora.load_peft(tmp_path / "peft_adapter", cfg)
     np.testing.assert_allclose(np.asarray(model.forward(cfg, lora.apply(init_base, adapters, lora.LoraConfig(
         rank=4, alpha=8.0)), tokens)), adapted, atol=1e-5)
+    # a new run continues from the PEFT adapter (model.lora.init_from) instead of B = 0 (lr 0: nothing moves)
+    continued = trainer.run_rl(_lora_run_config(1, **{"model.lora.init_from": str(tmp_path / "peft_adapter"),
+                                                      "optim.lr": 0.0}), str(tmp_path / "continued"))
+    continued = continued["state"]["params"]
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), continued, adapters)
 
 
 def test_rl_with_lora_resumes_to_the_same_adapters(tmp_path):
