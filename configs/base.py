@@ -20,6 +20,11 @@ def get_config(arg=None):
         path="", preset="", vocab_size=0, hidden_size=0, num_layers=0, num_heads=0, num_kv_heads=0,
         intermediate_size=0, param_dtype="float32", compute_dtype="bfloat16", remat=False, scan_layers=True,
         logits_chunk=512, ref_dtype="bfloat16"))
+    # LoRA (rank 0 = full fine-tuning): only the adapters train; the frozen base is also the reference policy.
+    # targets are HF module names (PEFT's target_modules); init_from is a PEFT adapter directory to continue from.
+    c.model.lora = ml_collections.ConfigDict(dict(
+        rank=0, alpha=16.0, dropout=0.0, init_from="",
+        targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")))
     c.tokenizer_path = ""  # defaults to model.path
 
     c.mesh = ml_collections.ConfigDict(dict(shape=(1, -1, 1)))

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (Qwen2 / Llama, safetensors) <-> ModelConfig and the stacked params pytree.
+"""Hugging Face checkpoints (Qwen2 / Qwen3 / Llama, safetensors) <-> ModelConfig and the stacked params pytree.
 
 Loading places every tensor straight onto its target sharding: each device's callback reads only its slice of the
 safetensors file (memory-mapped), so no host ever holds a full copy of the model. Saving gathers one tensor at a
@@ -26,8 +26,16 @@ from safetensors.numpy import save_file
 from sage_jax import model as model_lib
 from sage_jax.model import ModelConfig, Params
 
-SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
-_MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+_MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+# rope_type -> (required keys, optional keys) of its rope_parameters, besides rope_type and rope_theta
+_ROPE_KEYS = {
+    "default": ((), ()),
+    "linear": (("factor",), ()),
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor"), ("original_max_position_embeddings",)),
+    "yarn": (("factor",), ("original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+                           "mscale", "mscale_all_dim", "truncate")),
+}
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _CONVERT_HINT = ('python -c "from transformers import AutoModelForCausalLM as A; '
                  "A.from_pretrained('{p}').save_pretrained('{p}', safe_serialization=True)\"")
@@ -47,16 +55,29 @@ def _architecture(hf: dict) -> str:
                      f"(model_type {sorted(_MODEL_TYPES)})")
 
 
-def _rope_theta(hf: dict) -> float:
-    rope_params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    for field, entry in (("rope_parameters", rope_params), ("rope_scaling", scaling)):
-        kind = entry.get("rope_type", entry.get("type", "default"))
-        if kind not in (None, "default"):
-            raise ValueError(f"config.json {field}.rope_type={kind!r} is not supported; only plain RoPE "
-                             f"(rope_scaling null or rope_type 'default') is implemented")
-    theta = rope_params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    return float(theta)
+def _rope(hf: dict) -> tuple[float, tuple[tuple[str, Any], ...]]:
+    """(rope_theta, ModelConfig.rope_scaling) from rope_parameters (transformers 5) or rope_scaling (4.x)."""
+    field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    entry = dict(hf.get(field) or {})
+    theta = float(entry.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = entry.pop("rope_type", entry.pop("type", None)) or "default"
+    if kind not in _ROPE_KEYS:
+        raise ValueError(f"config.json {field}.rope_type={kind!r} is not supported; implemented: "
+                         f"{sorted(_ROPE_KEYS)}")
+    if entry.pop("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"config.json {field}.partial_rotary_factor is not supported; only full-width RoPE is")
+    required, optional = _ROPE_KEYS[kind]
+    missing = [k for k in required if entry.get(k) is None]
+    unknown = sorted(set(entry) - set(required) - set(optional))
+    if missing or unknown:
+        raise ValueError(f"config.json {field} (rope_type {kind!r}): " + (f"lacks {missing}; " if missing else "")
+                         + (f"field(s) {unknown} not supported; " if unknown else "")
+                         + f"expected {list(required)} and optionally {list(optional)}")
+    if kind == "default":
+        return theta, ()
+    if kind in ("llama3", "yarn"):  # transformers fills this in from max_position_embeddings when absent
+        entry.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 32768))
+    return theta, tuple(sorted({"rope_type": kind, **{k: v for k, v in entry.items() if v is not None}}.items()))
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -76,9 +97,13 @@ def config_from_hf(hf: dict) -> ModelConfig:
     eos = hf.get("eos_token_id")
     eos_ids = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
     pad = hf.get("pad_token_id")
-    if arch == "llama" and hf.get("attention_bias", False):
-        raise ValueError("config.json attention_bias=true is not supported for Llama: it also adds an o_proj bias, "
+    if arch != "qwen2" and hf.get("attention_bias", False):
+        raise ValueError(f"config.json attention_bias=true is not supported for {arch}: it also adds an o_proj bias, "
                          "which this model does not have (Qwen2-style q/k/v-only biases are supported)")
+    if any(t != "full_attention" for t in hf.get("layer_types") or []):
+        raise ValueError("config.json layer_types other than 'full_attention' are not supported; only full "
+                         "attention is")
+    theta, rope_scaling = _rope(hf)
     return ModelConfig(
         vocab_size=int(hf["vocab_size"]),
         hidden_size=int(hf["hidden_size"]),
@@ -87,10 +112,12 @@ def config_from_hf(hf: dict) -> ModelConfig:
         num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
         intermediate_size=int(hf["intermediate_size"]),
-        rope_theta=_rope_theta(hf),
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3",
         max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
         architecture=arch,
         bos_token_id=hf.get("bos_token_id"),
@@ -100,11 +127,13 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
-    """A config.json dict that transformers (4.x and 5.x) loads as Qwen2ForCausalLM / LlamaForCausalLM."""
-    if cfg.qkv_bias != (cfg.architecture == "qwen2"):
-        raise ValueError(f"qkv_bias={cfg.qkv_bias} with architecture={cfg.architecture!r} has no HF equivalent: "
-                         f"Qwen2 always has q/k/v biases, Llama none; set architecture to match qkv_bias")
+    """A config.json dict that transformers (4.x and 5.x) loads as Qwen2/Qwen3/LlamaForCausalLM."""
+    if cfg.qkv_bias != (cfg.architecture == "qwen2") or cfg.qk_norm != (cfg.architecture == "qwen3"):
+        raise ValueError(f"qkv_bias={cfg.qkv_bias}, qk_norm={cfg.qk_norm} with architecture={cfg.architecture!r} "
+                         f"has no HF equivalent: Qwen2 has q/k/v biases, Qwen3 q/k norms, Llama neither; set "
+                         f"architecture to match")
     eos = list(cfg.eos_token_ids)
+    scaling = dict(cfg.rope_scaling)
     hf = {
         "architectures": [_MODEL_TYPES[cfg.architecture]],
         "model_type": cfg.architecture,
@@ -118,8 +147,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", **scaling, "rope_theta": cfg.rope_theta},
+        "rope_scaling": scaling or None,  # what transformers 4.x reads
         "tie_word_embeddings": cfg.tie_embeddings,
         "max_position_embeddings": cfg.max_position_embeddings,
         "bos_token_id": cfg.bos_token_id,
@@ -132,6 +161,9 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     }
     if cfg.architecture == "llama":
         hf |= {"attention_bias": False, "mlp_bias": False}
+    elif cfg.architecture == "qwen3":
+        hf |= {"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+               "max_window_layers": cfg.num_layers, "layer_types": ["full_attention"] * cfg.num_layers}
     else:
         hf |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.num_layers}
     return hf
@@ -178,6 +210,9 @@ def _mapping(cfg: ModelConfig) -> dict[tuple[str, ...], _Map]:
         out[("layers", "bq")] = layer(att + "q_proj.bias", ((H, hd),), (0, 1))
         out[("layers", "bk")] = layer(att + "k_proj.bias", ((KV, hd),), (0, 1))
         out[("layers", "bv")] = layer(att + "v_proj.bias", ((KV, hd),), (0, 1))
+    if cfg.qk_norm:
+        out[("layers", "q_norm")] = layer(att + "q_norm.weight", ((hd,),), (0,))
+        out[("layers", "k_norm")] = layer(att + "k_norm.weight", ((hd,),), (0,))
     if not cfg.tie_embeddings:
         out[("lm_head",)] = _Map("lm_head.weight", ((V,), (D,)), (1, 0), False)
     return out

@@ -1,4 +1,4 @@
-"""Qwen2 / Llama decoder as pure functions over a params pytree.
+"""Qwen2 / Qwen3 / Llama decoder as pure functions over a params pytree.
 
 Layers are stacked along a leading axis. Training forwards scan over them (one compiled layer, checkpointed: see
 `hidden`); the KV-cache path loops in Python so each layer's cache is updated in place. Dtype policy: params in
@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from sage_jax import rope as rope_lib
 from sage_jax.sharding import constrain
 
 Params = dict[str, Any]
@@ -34,7 +35,10 @@ class ModelConfig:
     tie_embeddings: bool = True
     qkv_bias: bool = True
     max_position_embeddings: int = 32768
-    architecture: str = "qwen2"  # "qwen2" | "llama" (weights differ only by the switches above)
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on each query and key head, before RoPE
+    # HF rope_parameters beyond rope_theta, as sorted (key, value) pairs; () is plain RoPE. See rope.frequencies.
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    architecture: str = "qwen2"  # "qwen2" | "qwen3" | "llama" (weights differ only by the switches above)
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     remat: bool = False  # True: the backward recomputes each layer's matmuls too (least memory); see hidden()
@@ -57,7 +61,8 @@ class ModelConfig:
     def num_params(self) -> int:
         d, f, v, l = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
         qd, kd = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = d * (qd + 2 * kd) + qd * d + 3 * d * f + 2 * d + (qd + 2 * kd) * self.qkv_bias
+        per_layer = (d * (qd + 2 * kd) + qd * d + 3 * d * f + 2 * d + (qd + 2 * kd) * self.qkv_bias
+                     + 2 * self.head_dim * self.qk_norm)
         return v * d * (1 if self.tie_embeddings else 2) + l * per_layer + d
 
     def replace(self, **kw) -> "ModelConfig":
@@ -77,6 +82,9 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen2.5-3b": _qwen(151936, 2048, 36, 16, 2, 11008),
     "qwen2.5-math-7b": _qwen(152064, 3584, 28, 28, 4, 18944, tied=False, theta=1e4),
     "qwen2.5-7b": _qwen(152064, 3584, 28, 28, 4, 18944, tied=False),
+    # Qwen3 heads are 128 wide whatever the hidden size; no q/k/v biases, RMSNorm on each q and k head.
+    "qwen3-4b": _qwen(151936, 2560, 36, 32, 8, 9728, qkv_bias=False, qk_norm=True, architecture="qwen3").replace(
+        head_dim=128, max_position_embeddings=40960),
 }
 
 
@@ -103,6 +111,8 @@ def param_axes(cfg: ModelConfig) -> Params:
     if cfg.qkv_bias:
         layers |= {"bq": ("layers", "heads", "head_dim"), "bk": ("layers", "kv_heads", "head_dim"),
                    "bv": ("layers", "kv_heads", "head_dim")}
+    if cfg.qk_norm:
+        layers |= {"q_norm": ("layers", "norm"), "k_norm": ("layers", "norm")}
     axes = {"embed": ("vocab", "embed"), "final_norm": ("norm",), "layers": layers}
     if not cfg.tie_embeddings:
         axes["lm_head"] = ("embed", "vocab")
@@ -116,6 +126,8 @@ def param_shapes(cfg: ModelConfig) -> Params:
               "wo": (L, H, hd, D), "mlp_norm": (L, D), "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D)}
     if cfg.qkv_bias:
         layers |= {"bq": (L, H, hd), "bk": (L, KV, hd), "bv": (L, KV, hd)}
+    if cfg.qk_norm:
+        layers |= {"q_norm": (L, hd), "k_norm": (L, hd)}
     shapes = {"embed": (V, D), "final_norm": (D,), "layers": layers}
     if not cfg.tie_embeddings:
         shapes["lm_head"] = (D, V)
@@ -148,15 +160,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (x32.astype(x.dtype) * weight.astype(x.dtype))
 
 
-def rope(x_BxTxNxH: jax.Array, positions_BxT: jax.Array, theta: float) -> jax.Array:
-    hd = x_BxTxNxH.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))
-    angles = positions_BxT.astype(jnp.float32)[..., None] * inv_freq  # [B,T,hd/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x_BxTxNxH.dtype)
+def rope_frequencies(cfg: ModelConfig):
+    """(inverse frequencies [head_dim / 2], cos/sin scale) of cfg's RoPE variant (rope.frequencies)."""
+    return rope_lib.frequencies(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling), cfg.max_position_embeddings)
 
 
 def _attention(cfg: ModelConfig, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, allowed_BxTxS) -> jax.Array:
@@ -190,31 +196,56 @@ def _cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, allowed_BxTxS) -> jax.Arr
     return out.reshape(B, K, N // K, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
+def _project(lp: Params, name: str, equation: str, x: jax.Array, cdt) -> jax.Array:
+    """x times weight `name` (an einsum "in,weight->out"), plus the low-rank x A B when lp carries a LoRA adapter.
+
+    Adapters come from lora.apply: lp["lora"][name] = {"a": [in..., r], "b": [r, out...]} with the alpha / rank
+    scale already in b, and optionally a dropout key and keep probability. The merged weight is never formed.
+    """
+    y = jnp.einsum(equation, x, lp[name].astype(cdt))
+    adapter = lp.get("lora", {}).get(name)
+    if adapter is None:
+        return y
+    x_letters, rest = equation.split(",")
+    w_letters, y_letters = rest.split("->")
+    lead = "".join(c for c in x_letters if c not in w_letters)
+    inner = "".join(c for c in w_letters if c in x_letters)
+    outer = "".join(c for c in w_letters if c in y_letters)
+    if "keep" in adapter:
+        keep = adapter["keep"]
+        x = jnp.where(jax.random.bernoulli(adapter["key"], keep, x.shape), x / keep.astype(x.dtype), 0)
+    down = jnp.einsum(f"{x_letters},{inner}r->{lead}r", x, adapter["a"].astype(cdt))
+    return y + jnp.einsum(f"{lead}r,r{outer}->{y_letters}", down, adapter["b"].astype(cdt))
+
+
 def _block(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, allowed_BxTxS, kv_cache=None, cache_index=None):
     """One decoder layer. With kv_cache=(k, v) [B,K,S,H], writes this step's keys at cache_index."""
     cdt = jnp.dtype(cfg.compute_dtype)
     w = lambda name: lp[name].astype(cdt)
     h = rms_norm(x_BxTxD, lp["attn_norm"], cfg.rms_norm_eps)
-    q = jnp.einsum("btd,dnh->btnh", h, w("wq"))
-    k = jnp.einsum("btd,dkh->btkh", h, w("wk"))
-    v = jnp.einsum("btd,dkh->btkh", h, w("wv"))
+    q = _project(lp, "wq", "btd,dnh->btnh", h, cdt)
+    k = _project(lp, "wk", "btd,dkh->btkh", h, cdt)
+    v = _project(lp, "wv", "btd,dkh->btkh", h, cdt)
     if cfg.qkv_bias:
         q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
+    if cfg.qk_norm:
+        q, k = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q = constrain(q, ("batch", "seq", "heads", "head_dim"))
-    q, k = rope(q, positions_BxT, cfg.rope_theta), rope(k, positions_BxT, cfg.rope_theta)
+    inv_freq, scale = rope_frequencies(cfg)
+    q, k = rope_lib.apply(q, positions_BxT, inv_freq, scale), rope_lib.apply(k, positions_BxT, inv_freq, scale)
     if kv_cache is not None:
         write = lambda c, x: jax.lax.dynamic_update_slice_in_dim(c, x.swapaxes(1, 2).astype(c.dtype), cache_index, 2)
         kv_cache = (write(kv_cache[0], k), write(kv_cache[1], v))
         attn = _cached_attention(q, kv_cache[0].astype(cdt), kv_cache[1].astype(cdt), allowed_BxTxS)
     else:
         attn = _attention(cfg, q, k, v, allowed_BxTxS)
-    x_BxTxD = x_BxTxD + jnp.einsum("btnh,nhd->btd", attn, w("wo"))
+    x_BxTxD = x_BxTxD + _project(lp, "wo", "btnh,nhd->btd", attn, cdt)
     x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "act_embed"))
     h = rms_norm(x_BxTxD, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate = jnp.einsum("btd,df->btf", h, w("w_gate"))
-    up = jnp.einsum("btd,df->btf", h, w("w_up"))
+    gate = _project(lp, "w_gate", "btd,df->btf", h, cdt)
+    up = _project(lp, "w_up", "btd,df->btf", h, cdt)
     mlp = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-    x_BxTxD = x_BxTxD + jnp.einsum("btf,fd->btd", mlp, w("w_down"))
+    x_BxTxD = x_BxTxD + _project(lp, "w_down", "btf,fd->btd", mlp, cdt)
     return constrain(x_BxTxD, ("batch", "seq", "act_embed")), kv_cache
 
 

@@ -51,6 +51,7 @@ KNOWN_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "deepseek-r1-distill-qwen-1.5b": ("qwen2.5-1.5b", dict(tie_embeddings=False, rope_theta=1e4,
                                                            max_position_embeddings=131072)),
     "deepseek-r1-distill-qwen-7b": ("qwen2.5-7b", dict(rope_theta=1e4, max_position_embeddings=131072)),
+    "qwen3-4b-base": ("qwen3-4b", dict(max_position_embeddings=32768)),
 }
 
 

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from sage_jax import lora, objectives, sharding
 from sage_jax import model as model_lib
-from sage_jax import objectives, sharding
 
 
 # --------------------------------------------------------------------------------------------------- model
@@ -80,18 +80,20 @@ def init_state(params, tx) -> dict[str, Any]:
     return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
 
 
-def state_shardings(params, tx, cfg, mesh, rules):
-    """Shardings of the train state: optimizer moments take their param's sharding (never replicated)."""
-    param_sh = sharding.param_shardings(cfg, mesh, rules)
+def state_shardings(params, tx, cfg, mesh, rules, param_sh=None):
+    """Shardings of the train state: optimizer moments take their param's sharding (never replicated).
+
+    param_sh: the trained params' shardings when they are not the model's (LoRA: lora.shardings)."""
+    param_sh = sharding.param_shardings(cfg, mesh, rules) if param_sh is None else param_sh
     abstract = jax.eval_shape(lambda p: init_state(p, tx), params)
     opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, abstract["opt_state"], param_sh,
                                    transform_non_params=lambda _: sharding.replicated(mesh))
     return {"step": sharding.replicated(mesh), "params": param_sh, "opt_state": opt_sh}
 
 
-def create_state(params, tx, cfg, mesh, rules):
+def create_state(params, tx, cfg, mesh, rules, param_sh=None):
     """The train state, born sharded (params donated into it)."""
-    shardings = state_shardings(params, tx, cfg, mesh, rules)
+    shardings = state_shardings(params, tx, cfg, mesh, rules, param_sh)
     state = jax.jit(lambda p: init_state(p, tx), out_shardings=shardings, donate_argnums=0)(params)
     return state, shardings
 
@@ -99,19 +101,22 @@ def create_state(params, tx, cfg, mesh, rules):
 # --------------------------------------------------------------------------------------------------- step
 
 def make_train_step(cfg, loss_cfg: objectives.LossConfig, tx, schedule, seed: int, grad_accum: int = 1,
-                    shardings=None, loss_fn=None):
+                    shardings=None, loss_fn=None, lora_cfg=None, base_shardings=None):
     """jitted train_step(state, batch) -> (state, metrics); state is donated.
 
     batch holds [N, ...] arrays (see objectives.loss_fn) and a scalar `rl_step` that keys the guides' randomness
     and schedules. With grad_accum > 1 the rows are split into micro-batches whose gradients are averaged; token-mean
     losses keep the whole batch's token count as their normaliser.
+    With lora_cfg, state["params"] are the adapters and the step is train_step(state, batch, base): the loss sees
+    the frozen base with the adapters on, and only the adapters get gradients.
     """
     loss_fn = loss_fn or objectives.loss_fn
 
-    def grads_of(params, arrays, rl_step, key):
-        return jax.value_and_grad(loss_fn, has_aux=True)(params, arrays, cfg, loss_cfg, rl_step, key)
+    def grads_of(params, arrays, rl_step, key, base):
+        f = loss_fn if lora_cfg is None else lambda p, *rest: loss_fn(lora.apply(base, p, lora_cfg, key), *rest)
+        return jax.value_and_grad(f, has_aux=True)(params, arrays, cfg, loss_cfg, rl_step, key)
 
-    def train_step(state, batch):
+    def train_step(state, batch, base=None):
         rl_step = batch["rl_step"]
         arrays = {k: v for k, v in batch.items() if k != "rl_step"}
         if loss_cfg is not None:
@@ -119,7 +124,7 @@ def make_train_step(cfg, loss_cfg: objectives.LossConfig, tx, schedule, seed: in
         # state["step"] counts updates, so every mini-batch and iteration of an RL step draws its own guide noise
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), rl_step), state["step"])
         if grad_accum == 1:
-            (_, metrics), grads = grads_of(state["params"], arrays, rl_step, key)
+            (_, metrics), grads = grads_of(state["params"], arrays, rl_step, key, base)
         else:
             # strided split: micro-batch m holds rows m, m+A, ..., so each device keeps its own rows
             micro = jax.tree.map(lambda a: a.reshape(a.shape[0] // grad_accum, grad_accum, *a.shape[1:]).swapaxes(0, 1),
@@ -127,9 +132,10 @@ def make_train_step(cfg, loss_cfg: objectives.LossConfig, tx, schedule, seed: in
 
             def body(acc, mb_index):
                 mb, index = mb_index
-                (_, m), g = grads_of(state["params"], mb, rl_step, jax.random.fold_in(key, index))
+                (_, m), g = grads_of(state["params"], mb, rl_step, jax.random.fold_in(key, index), base)
                 return jax.tree.map(jnp.add, acc, (g, m)), None
-            (_, m0), g0 = jax.eval_shape(grads_of, state["params"], jax.tree.map(lambda a: a[0], micro), rl_step, key)
+            (_, m0), g0 = jax.eval_shape(grads_of, state["params"], jax.tree.map(lambda a: a[0], micro), rl_step, key,
+                                         base)
             zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (g0, m0))
             (grads, metrics), _ = jax.lax.scan(body, zeros, (micro, jnp.arange(grad_accum)))
             grads, metrics = jax.tree.map(lambda x: x / grad_accum, (grads, metrics))
@@ -141,7 +147,8 @@ def make_train_step(cfg, loss_cfg: objectives.LossConfig, tx, schedule, seed: in
 
     if shardings is None:
         return jax.jit(train_step, donate_argnums=0)
-    return jax.jit(train_step, donate_argnums=0, in_shardings=(shardings, None), out_shardings=(shardings, None))
+    in_shardings = (shardings, None) if lora_cfg is None else (shardings, None, base_shardings)
+    return jax.jit(train_step, donate_argnums=0, in_shardings=in_shardings, out_shardings=(shardings, None))
 
 
 def keep_if_finite(state, new_state, grads, metrics):
@@ -149,7 +156,8 @@ def keep_if_finite(state, new_state, grads, metrics):
     update is never kept (nor saved); metrics["opt/nonfinite_update"] = 1 tells the host loop to stop."""
     floats = [x for x in jax.tree.leaves((grads, new_state)) if jnp.issubdtype(x.dtype, jnp.inexact)]
     finite = jnp.all(jnp.stack([jnp.isfinite(x).all() for x in floats]))
-    kept = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, state)
+    # a cond, not a leaf-wise where: XLA:CPU aborted on the where over a donated, restored LoRA state
+    kept = jax.lax.cond(finite, lambda: new_state, lambda: state)
     return kept, dict(metrics, **{"opt/nonfinite_update": 1.0 - finite.astype(jnp.float32)})
 
 

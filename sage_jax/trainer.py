@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sage_jax import checkpoint, evaluation, guides, objectives, rollouts, sharding, supervised, tasks
+from sage_jax import checkpoint, evaluation, guides, lora, objectives, rollouts, sharding, supervised, tasks
 from sage_jax import config as config_lib
 from sage_jax import logging as slog
 from sage_jax import model as model_lib
@@ -49,6 +49,12 @@ class RLContext:
     mini_batches: int = 1
     logprob_rows: int = 0                # rows per no-grad log-prob pass (0: all at once)
     seed: int = 0
+    lora_cfg: lora.LoraConfig | None = None  # LoRA: the state trains adapters on the frozen `base`
+    base: Any = None
+
+    def policy(self, trained) -> Any:
+        """The params to sample and score the policy with: the trained params, or with LoRA base + adapters."""
+        return lora.policy(self.base, trained, self.lora_cfg)
 
 
 class StepOutput(NamedTuple):
@@ -61,7 +67,7 @@ class StepOutput(NamedTuple):
 def rl_step(ctx: RLContext, state, step: int, collect: CollectFn) -> StepOutput:
     """One RL step: `collect` samples and scores rollouts with the current policy, then every update of the step."""
     t0 = time.perf_counter()
-    ro, stats = collect(state["params"], step)
+    ro, stats = collect(ctx.policy(state["params"]), step)
     t_rollout = time.perf_counter() - t0
     lc = ctx.loss_cfg
     adv = objectives.group_advantages(jnp.asarray(ro["rewards"]), ctx.group_size, scale=lc.adv_scale,
@@ -75,8 +81,8 @@ def rl_step(ctx: RLContext, state, step: int, collect: CollectFn) -> StepOutput:
                                                        **no_grad)
     sequence_kl = lc.kl_in_loss and lc.kl_estimator in objectives.SEQUENCE_ESTIMATORS
     if ctx.num_iterations * ctx.mini_batches > 1 or lc.kl_in_reward or sequence_kl:
-        dev["old_logp"], old_entropy = train_state.sequence_logprobs(ctx.cfg, state["params"], dev["tokens"],
-                                                                     dev["mask"], **no_grad)
+        dev["old_logp"], old_entropy = train_state.sequence_logprobs(ctx.cfg, ctx.policy(state["params"]),
+                                                                     dev["tokens"], dev["mask"], **no_grad)
     if lc.kl_in_reward:
         dev["advantages"] = _advantages_with_kl_penalty(ctx, ro, dev, old_entropy, step)
     if sequence_kl:  # whole groups are needed here, before mini-batches and micro-batches split them
@@ -87,7 +93,7 @@ def rl_step(ctx: RLContext, state, step: int, collect: CollectFn) -> StepOutput:
     t1 = time.perf_counter()
     for _ in range(ctx.num_iterations):
         for mb in _mini_batches(dev, ctx.mini_batches, ctx.group_size, step):
-            state, metrics = ctx.train_step(state, mb)
+            state, metrics = ctx.train_step(state, mb, *(() if ctx.lora_cfg is None else (ctx.base,)))
     step_s = time.perf_counter() - t0
     host = {**stats, "rl/reward": float(ro["rewards"].mean()), "rl/accuracy": float(ro["correct"].mean()),
             "rl/truncated": float((~ro["finished"]).mean()), "rl/gen_len": float(ro["lengths"].mean()),
@@ -181,15 +187,25 @@ def setup_rl(config, mesh, rules, tokenizer, params_override=None) -> tuple[RLCo
     if params_override is not None:
         params = jax.device_put(params_override, sharding.param_shardings(cfg, mesh, rules))
     ref_cfg = cfg.replace(compute_dtype=config.model.ref_dtype)
-    ref_params = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(config.model.ref_dtype), p))(params)
+    # LoRA: the loaded weights stay frozen and are the reference as they are (no second copy); the state holds only
+    # the adapters and their optimizer moments
+    lora_cfg = lora.LoraConfig.from_config(config.model.lora)
+    base, trained_sh, base_sh = None, None, None
+    if lora_cfg is None:
+        ref_params = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(config.model.ref_dtype), p))(params)
+    else:
+        base = ref_params = params
+        trained_sh, base_sh = lora.shardings(cfg, lora_cfg, mesh, rules), sharding.param_shardings(cfg, mesh, rules)
+        params = lora.init_adapters(cfg, lora_cfg, jax.random.key(config.seed), mesh, rules)
     loss_cfg = loss_config(config)
     tx, schedule = train_state.make_optimizer(optim, config.train.steps * optim.num_iterations * optim.mini_batches)
-    state, shardings = train_state.create_state(params, tx, cfg, mesh, rules)
-    step_fn = train_state.make_train_step(cfg, loss_cfg, tx, schedule, config.seed, optim.grad_accum, shardings)
+    state, shardings = train_state.create_state(params, tx, cfg, mesh, rules, trained_sh)
+    step_fn = train_state.make_train_step(cfg, loss_cfg, tx, schedule, config.seed, optim.grad_accum, shardings,
+                                          lora_cfg=lora_cfg, base_shardings=base_sh)
     ctx = RLContext(cfg=cfg, ref_cfg=ref_cfg, ref_params=ref_params, loss_cfg=loss_cfg, train_step=step_fn,
                     mesh=mesh, group_size=config.rollout.group_size, max_new_tokens=config.rollout.max_new_tokens,
                     num_iterations=optim.num_iterations, mini_batches=optim.mini_batches,
-                    logprob_rows=config.train.logprob_rows, seed=config.seed)
+                    logprob_rows=config.train.logprob_rows, seed=config.seed, lora_cfg=lora_cfg, base=base)
     return ctx, state
 
 
@@ -199,6 +215,7 @@ class RLResult(NamedTuple):
     summary: dict[str, Any]              # what summary.json holds
     cfg: model_lib.ModelConfig
     state: Any                           # the final train state, on the mesh
+    policy: Any                          # the params to sample the trained policy with (LoRA: base + adapters)
 
 
 def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override=None) -> RLResult:
@@ -221,7 +238,7 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
             evaluate = lambda params, tag: run_eval(task, ctx.cfg, params, config,
                                                     os.path.join(workdir, "eval", tag), pool, tag)
             if config.eval.at_start and task.evals and "before" not in summary.data:
-                summary.update(before=evaluate(state["params"], "before"))
+                summary.update(before=evaluate(ctx.policy(state["params"]), "before"))
             collect = functools.partial(collect_rollouts, task, ctx.cfg, config, pool)
             late, watch = slog.LateMetrics(), checkpoint.FiniteWatch(ckpt, start if start else None)
             progress = slog.Progress(total=tr.steps, initial=start, enabled=tr.progress and jax.process_index() == 0)
@@ -241,18 +258,28 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
                                             "model": checkpoint.model_meta(ctx.cfg)})
                     watch.saved(done)
                 if tr.eval_every and done % tr.eval_every == 0 and done != tr.steps:
-                    res = evaluate(state["params"], f"step{done}")
+                    res = evaluate(ctx.policy(state["params"]), f"step{done}")
                     logger.log(step, {f"eval/{d}/{k}": v for d, r in res["datasets"].items() for k, v in r.items()})
             report(late.flush())
             progress.close()
             ckpt.wait()
             if config.eval.at_end and task.evals and summary.data.get("after_step") != tr.steps:
-                summary.update(after=evaluate(state["params"], "after"), after_step=tr.steps)
+                summary.update(after=evaluate(ctx.policy(state["params"]), "after"), after_step=tr.steps)
         if tr.export_hf:
-            checkpoint.export_hf(workdir, ctx.cfg, state["params"], task.tokenizer)
+            _export(workdir, ctx, state["params"], task.tokenizer)
         ckpt.close()
         logger.close()
-    return RLResult(summary.data, ctx.cfg, state)
+    return RLResult(summary.data, ctx.cfg, state, ctx.policy(state["params"]))
+
+
+def _export(workdir: str, ctx: RLContext, trained, tokenizer) -> None:
+    """WORKDIR/hf_export (with LoRA the merged model) and, with LoRA, the adapter as PEFT writes it."""
+    if ctx.lora_cfg is None:
+        checkpoint.export_hf(workdir, ctx.cfg, trained, tokenizer)
+        return
+    merged = jax.jit(lambda b, a: lora.merge(ctx.cfg, ctx.lora_cfg, b, a))(ctx.base, trained)
+    checkpoint.export_hf(workdir, ctx.cfg, merged, tokenizer)
+    lora.save_peft(os.path.join(workdir, "peft_adapter"), ctx.cfg, ctx.lora_cfg, trained)
 
 
 def _restore(ckpt: checkpoint.Checkpointer, state, workdir: str) -> tuple[Any, int]:

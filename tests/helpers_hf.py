@@ -17,7 +17,7 @@ def tiny_hf_model(out_dir: str | Path, arch: str = "qwen2", tied: bool = False, 
                   seed: int = 0, vocab: int = 96, hidden: int = 32, layers: int = 2, heads: int = 4,
                   kv_heads: int = 2, head_dim: int | None = None, intermediate: int = 48, dtype: str = "float32",
                   **extra) -> Path:
-    """A random Qwen2ForCausalLM / LlamaForCausalLM saved as safetensors; returns the directory.
+    """A random Qwen2 / Qwen3 / Llama ForCausalLM saved as safetensors; returns the directory.
 
     Qwen2 always has q/k/v biases; `bias` sets Llama's attention_bias (q/k/v *and* o_proj biases).
     """
@@ -32,8 +32,10 @@ def tiny_hf_model(out_dir: str | Path, arch: str = "qwen2", tied: bool = False, 
         common["head_dim"] = head_dim
     if arch == "qwen2":
         config, cls = transformers.Qwen2Config(rope_theta=10000.0, **common), transformers.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        config, cls = transformers.Qwen3Config(rope_theta=1e6, **common), transformers.Qwen3ForCausalLM
     elif arch == "llama":
-        config = transformers.LlamaConfig(attention_bias=bias, rope_theta=500000.0, **common)
+        config = transformers.LlamaConfig(attention_bias=bias, **{"rope_theta": 500000.0, **common})
         cls = transformers.LlamaForCausalLM
     else:
         raise ValueError(arch)

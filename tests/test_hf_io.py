@@ -17,9 +17,23 @@ VARIANTS = {  # name -> tiny_hf_model kwargs
     "qwen2_tied": dict(arch="qwen2", tied=True, kv_heads=4),
     "llama_untied": dict(arch="llama", tied=False, head_dim=16),
     "llama_tied": dict(arch="llama", tied=True, kv_heads=1),
+    "qwen3_untied": dict(arch="qwen3", tied=False, head_dim=16),
+    "qwen3_tied": dict(arch="qwen3", tied=True, head_dim=8),
+    # Llama 3.1/3.2 rope: with head_dim 16 and a 64-token original context, the frequencies fall in all three bands
+    "llama3_rope_untied": dict(arch="llama", tied=False, head_dim=16, rope_parameters=dict(
+        rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64)),
+    "llama3_rope_tied": dict(arch="llama", tied=True, head_dim=16, rope_parameters=dict(
+        rope_type="llama3", rope_theta=5e5, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64)),
+    "llama_linear_rope": dict(arch="llama", tied=True, rope_parameters=dict(rope_type="linear", rope_theta=1e4,
+                                                                            factor=4.0)),
+    "qwen3_yarn": dict(arch="qwen3", tied=True, head_dim=16, rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=64)),
 }
 TOKENS = np.array([[5, 17, 3, 60, 94, 1, 22, 8], [9, 9, 40, 2, 71, 33, 12, 0]], np.int32)
 MASK = np.array([[1] * 8, [0, 0, 0, 1, 1, 1, 1, 1]], np.int32)  # second row left padded
+LONG = np.random.RandomState(0).randint(0, 96, (1, 160)).astype(np.int32)  # past a 64-token original context
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +65,35 @@ def test_config_from_hf_fields():
     assert cfg.qkv_bias and cfg.rope_theta == 1e6 and cfg.eos_token_ids == (5, 6) and cfg.head_dim == 8
 
 
-@pytest.mark.parametrize("arch,bias", [("qwen2", True), ("llama", False)])
-def test_config_round_trip(arch, bias):
-    cfg = model.preset("tiny", architecture=arch, qkv_bias=bias, tie_embeddings=False, bos_token_id=3,
-                       eos_token_ids=(4, 5), pad_token_id=7, rope_theta=5e5)
+@pytest.mark.parametrize("arch,bias,scaling", [
+    ("qwen2", True, ()), ("llama", False, ()), ("qwen3", False, ()),
+    ("llama", False, (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+                      ("original_max_position_embeddings", 8192), ("rope_type", "llama3"))),
+    ("qwen3", False, (("factor", 4.0), ("original_max_position_embeddings", 32768), ("rope_type", "yarn")))])
+def test_config_round_trip(arch, bias, scaling):
+    cfg = model.preset("tiny", architecture=arch, qkv_bias=bias, qk_norm=arch == "qwen3", tie_embeddings=False,
+                       bos_token_id=3, eos_token_ids=(4, 5), pad_token_id=7, rope_theta=5e5, rope_scaling=scaling)
     assert hf_io.config_from_hf(hf_io.config_to_hf(cfg)) == cfg
+
+
+def test_config_from_hf_qwen3_and_llama31():
+    qwen3 = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 2560, "head_dim": 128,
+             "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 9728,
+             "rope_theta": 1e6, "rope_scaling": None, "attention_bias": False, "tie_word_embeddings": True,
+             "use_sliding_window": False, "max_window_layers": 36, "max_position_embeddings": 32768}
+    cfg = hf_io.config_from_hf(qwen3)
+    assert (cfg.architecture, cfg.qk_norm, cfg.qkv_bias, cfg.head_dim, cfg.rope_scaling) == ("qwen3", True, False,
+                                                                                             128, ())
+    assert cfg.num_params == model.preset("qwen3-4b").num_params
+    llama31 = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 64, "num_hidden_layers": 2,
+               "num_attention_heads": 4, "intermediate_size": 128, "rope_theta": 5e5,
+               "max_position_embeddings": 131072, "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+    cfg = hf_io.config_from_hf(llama31)
+    assert dict(cfg.rope_scaling)["rope_type"] == "llama3" and cfg.rope_theta == 5e5
+    inv_freq, scale = model.rope_frequencies(cfg)
+    plain, _ = model.rope_frequencies(cfg.replace(rope_scaling=()))
+    assert scale == 1.0 and inv_freq[0] == plain[0] and np.isclose(inv_freq[-1], plain[-1] / 8)
 
 
 # --------------------------------------------------------------------------------------------------- parity
@@ -70,9 +108,13 @@ def test_logits_match_transformers(hf_dirs, variant):
     ours = np.asarray(model.forward(cfg, params, TOKENS, mask_BxT=MASK))
     real = MASK.astype(bool)
     np.testing.assert_allclose(ours[real], ref[real], atol=1e-4, rtol=0)
+    if cfg.rope_scaling:
+        np.testing.assert_allclose(np.asarray(model.forward(cfg, params, LONG)), torch_logits(hf_dirs[variant], LONG),
+                                   atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("variant", ["qwen2_untied", "llama_tied"])
+@pytest.mark.parametrize("variant", ["qwen2_untied", "llama_tied", "qwen3_untied", "qwen3_tied", "llama3_rope_untied",
+                                     "qwen3_yarn"])
 def test_save_round_trip_loads_in_transformers(hf_dirs, variant, tmp_path):
     cfg, params = hf_io.load_hf(hf_dirs[variant])
     out = tmp_path / "export"
@@ -105,6 +147,15 @@ def test_sharded_load_matches_single_device(hf_dirs):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), single, sharded)
     logits = jax.jit(lambda p, t: model.forward(cfg, p, t))(sharded, TOKENS)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(model.forward(cfg, single, TOKENS)), atol=1e-5)
+
+
+def test_sharded_load_qwen3_matches_single_device(hf_dirs):
+    cfg, single = hf_io.load_hf(hf_dirs["qwen3_untied"])
+    mesh = sharding.make_mesh((1, 4, 2))
+    cfg_s, sharded = hf_io.load_hf(hf_dirs["qwen3_untied"], mesh=mesh)
+    assert cfg_s == cfg and sharded["layers"]["q_norm"].sharding.spec == P(None, None)
+    assert sharded["layers"]["wq"].sharding.spec == P(None, "fsdp", "tensor", None)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), single, sharded)
 
 
 def test_bf16_load_and_save(hf_dirs, tmp_path):
@@ -154,9 +205,16 @@ def test_bad_shape(hf_dirs, tmp_path):
 
 @pytest.mark.parametrize("override,match", [
     ({"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, "MistralForCausalLM.*Qwen2ForCausalLM"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.*yarn"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "rope_parameters.*llama3"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_scaling.rope_type='longrope'"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 4.0}}, "rope_scaling.rope_type='dynamic'"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
+     r"rope_parameters \(rope_type 'llama3'\): lacks \['low_freq_factor', 'high_freq_factor'\]"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "short_factor": [1.0]}}, r"\['short_factor'\] not supp"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor"),
     ({"attention_bias": True}, "attention_bias"),
+    ({"architectures": ["Qwen3ForCausalLM"], "attention_bias": True}, "attention_bias=true is not supported for qwen3"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"intermediate_size": None}, "intermediate_size"),
 ])

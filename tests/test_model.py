@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sage_jax import model, sharding
+from sage_jax import model, rope, sharding
 
 CFG = model.preset("tiny", vocab_size=256, num_layers=2)
 
@@ -120,8 +120,56 @@ def test_kv_cache_prefill_then_step_matches_full_forward(params):
     np.testing.assert_allclose(step[:, 0], full[:, 9], atol=1e-5)
 
 
+QWEN3_YARN = CFG.replace(architecture="qwen3", qkv_bias=False, qk_norm=True, head_dim=16, rope_scaling=(
+    ("factor", 4.0), ("original_max_position_embeddings", 8), ("rope_type", "yarn")))
+
+
+def test_kv_cache_matches_full_forward_with_qk_norm_and_rope_scaling():
+    p = model.init_params(QWEN3_YARN, jax.random.key(2), std=0.1)
+    p["layers"]["q_norm"] = 1 + 0.3 * jax.random.normal(jax.random.key(3), p["layers"]["q_norm"].shape)
+    tokens, mask = _batch(QWEN3_YARN, T=10)
+    full = model.forward(QWEN3_YARN, p, tokens, mask_BxT=mask)
+    positions = model.default_positions(mask)
+    kv_mask = jnp.pad(mask, ((0, 0), (0, 6))).at[:, 9].set(0)
+    _, cache = model.forward_with_cache(QWEN3_YARN, p, tokens[:, :9], positions[:, :9],
+                                        model.init_cache(QWEN3_YARN, 3, 16), 0, kv_mask)
+    step, _ = model.forward_with_cache(QWEN3_YARN, p, tokens[:, 9:10], positions[:, 9:10], cache, 9,
+                                       kv_mask.at[:, 9].set(1))
+    np.testing.assert_allclose(step[:, 0], full[:, 9], atol=1e-5)
+    plain = model.forward(QWEN3_YARN.replace(rope_scaling=()), p, tokens, mask_BxT=mask)
+    assert float(jnp.abs(plain - full).max()) > 1e-3
+
+
+def test_rope_scaling_variants():
+    x = jax.random.normal(jax.random.key(0), (1, 6, 2, 16))
+    pos = jnp.arange(6)[None] * 7
+    plain = model.rope_frequencies(CFG.replace(head_dim=16))
+    linear = model.rope_frequencies(CFG.replace(head_dim=16, rope_scaling=(("factor", 4.0), ("rope_type", "linear"))))
+    # linear scaling is plain RoPE at positions / factor
+    np.testing.assert_allclose(rope.apply(x, pos, *linear), rope.apply(x, pos / 4.0, *plain), atol=1e-5)
+    llama3 = CFG.replace(head_dim=16, rope_theta=5e5, rope_scaling=(
+        ("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+        ("original_max_position_embeddings", 64), ("rope_type", "llama3")))
+    inv, scale = model.rope_frequencies(llama3)
+    inv0, _ = model.rope_frequencies(llama3.replace(rope_scaling=()))
+    wavelen = 2 * np.pi / inv0
+    assert scale == 1.0
+    np.testing.assert_array_equal(inv[wavelen < 16], inv0[wavelen < 16])  # high frequencies kept
+    np.testing.assert_allclose(inv[wavelen > 64], inv0[wavelen > 64] / 8, rtol=1e-6)  # low ones divided by factor
+    _, yarn_scale = model.rope_frequencies(QWEN3_YARN)
+    assert np.isclose(yarn_scale, 0.1 * np.log(4.0) + 1)
+    with pytest.raises(ValueError, match="rope_type='dynamic'"):
+        model.rope_frequencies(CFG.replace(rope_scaling=(("factor", 2.0), ("rope_type", "dynamic"))))
+
+
+def test_qwen3_preset_size():
+    cfg = model.preset("qwen3-4b")
+    assert (cfg.qk_norm, cfg.qkv_bias, cfg.head_dim, cfg.num_heads * cfg.head_dim) == (True, False, 128, 4096)
+    assert round(cfg.num_params / 1e9, 2) == 4.02  # Qwen3-4B's model card: 4.0B
+
+
 def test_param_axes_cover_every_param():
-    for cfg in (CFG, CFG.replace(tie_embeddings=False, qkv_bias=False)):
+    for cfg in (CFG, CFG.replace(tie_embeddings=False, qkv_bias=False), QWEN3_YARN):
         p = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
         axes = model.param_axes(cfg)
         is_axes = lambda x: isinstance(x, tuple)
