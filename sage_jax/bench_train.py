@@ -259,7 +259,7 @@ def bench_flags(flag_sets: dict[str, str] | None = None, mode: str = "train_step
             proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
             if proc.returncode:
                 raise RuntimeError(f"{' '.join(cmd[1:])} under XLA_FLAGS={flags!r} failed:\n{proc.stderr[-3000:]}")
-            runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1])["modes"][mode])
     out = []
     for name, per_round in runs.items():
         for i, template in enumerate(per_round[0]):
