@@ -6,7 +6,7 @@ programs (`compile_count()`). Prompts are left-padded; `num_samples=G` prefills 
 cache for its G rows, which come out consecutively (prompt 0's G samples first).
 
 Rows that stop do not wait for the slowest one: whenever no more rows are live than the next smaller batch size
-(`decode_buckets`: halving), the live rows and their caches move into a batch of that size and decoding goes on
+(`decode_buckets`), the live rows and their caches move into a batch of that size and decoding goes on
 there. Decode attention reads only the cache blocks written so far (model._cached_attention).
 
 Behaviour log-probs: `logprobs[b, j]` is log softmax(logits / T) of the sampled token *before* top-k / top-p / min-p
@@ -162,14 +162,17 @@ SMALLEST_BUCKET = 4  # compaction stops here: below it a decode step costs about
 
 
 def decode_buckets(rows: int, dp: int = 1, compact: bool = True) -> tuple[int, ...]:
-    """Batch sizes the decode loop runs at, largest first: halved (kept a multiple of the data-parallel size dp) while
-    at least SMALLEST_BUCKET. The loop moves its live rows to the next size once no more than that many are left."""
+    """Batch sizes the decode loop runs at, largest first: `rows`, then the powers of two below it and 3/4 of each
+    power of two from 32 up (64, 48, 32, 24, 16, 8, 4: finer steps where a padded slot costs the most), each
+    rounded up to a multiple of the data-parallel size dp, down to SMALLEST_BUCKET. The loop moves its live rows to
+    the next size once no more than that many are left."""
     sizes = [rows]
-    while compact:
-        half = -(-sizes[-1] // (2 * dp)) * dp
-        if half >= sizes[-1] or half < SMALLEST_BUCKET:
-            break
-        sizes.append(half)
+    top = rows.bit_length()
+    candidates = {1 << k for k in range(top + 1)} | {3 << (k - 2) for k in range(5, top + 1)}
+    for size in sorted(candidates, reverse=True) if compact else ():
+        size = -(-size // dp) * dp
+        if SMALLEST_BUCKET <= size < sizes[-1]:
+            sizes.append(size)
     return tuple(sizes)
 
 

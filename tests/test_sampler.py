@@ -213,9 +213,11 @@ def test_one_compile_per_bucket(params):
 
 
 def test_decode_buckets():
-    assert sampler.decode_buckets(64) == (64, 32, 16, 8, 4)
-    assert sampler.decode_buckets(12) == (12, 6)  # 3 is below the smallest bucket
-    assert sampler.decode_buckets(24, dp=4) == (24, 12, 8, 4)  # each a multiple of the data-parallel size
+    assert sampler.decode_buckets(64) == (64, 48, 32, 24, 16, 8, 4)
+    assert sampler.decode_buckets(100) == (100, 96, 64, 48, 32, 24, 16, 8, 4)
+    assert sampler.decode_buckets(6) == (6, 4)
+    assert sampler.decode_buckets(3) == (3,)  # nothing at or above the smallest bucket below it
+    assert sampler.decode_buckets(24, dp=3) == (24, 18, 9, 6)  # each rounded up to a multiple of data x fsdp
     assert sampler.decode_buckets(8, dp=8) == (8,)
     assert sampler.decode_buckets(64, compact=False) == (64,)
 
