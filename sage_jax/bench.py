@@ -1,14 +1,18 @@
 """Benchmarks, one function per mode.
 
   python -m sage_jax.bench sampler --preset both --dtype fp32 --batch 64
+  python -m sage_jax.bench sampler --workload longtail --preset small --json docs/results/sampler_longtail.json
   python -m sage_jax.bench all
 
 `sampler`: this sampler's tokens/s against transformers' `generate` (torch, CPU) on the same random weights, batch,
-prompt length and forced number of new tokens (greedy, EOS ignored). Warm-up runs are excluded; each number is the
-median of `--repeats` runs, ours and theirs interleaved (bench_train.interleaved_seconds) so load from other processes
-hits both alike. A third program in the same loop, `matmuls_only` (decode_matmuls_fn), does only the model's matmuls
-for as many decode steps: its FLOP/s is the peak the table's `frac_of_peak` refers to, and its tokens/s the ceiling
-for a sampler built on XLA's matmuls here.
+prompt length and forced completion lengths (greedy): `--workload fixed` runs every row to --new-tokens (EOS
+ignored); `--workload longtail` (8 prompts x 8 samples, 512 new tokens by default) forces the same pre-drawn
+long-tailed lengths on both sides (sage_jax.workloads), transformers by a forced EOS, which stops a row as a real
+one would. Only tokens before EOS count; the table gives each side's realised length quantiles. Warm-up runs are
+excluded; each number is the median of `--repeats` runs, ours and theirs interleaved (bench_train.interleaved_seconds)
+so load from other processes hits both alike. With the fixed workload a third program in the same loop,
+`matmuls_only` (decode_matmuls_fn), does only the model's matmuls for as many decode steps: its FLOP/s is the peak
+the table's `frac_of_peak` refers to, and its tokens/s the ceiling for a sampler built on XLA's matmuls here.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from sage_jax import bench_train
+from sage_jax import bench_train, workloads
 from sage_jax.bench_train import DTYPES, interleaved_seconds
 
 MODES: dict[str, Callable[[argparse.Namespace], list[dict]]] = {}
@@ -38,32 +42,61 @@ def register(name: str):
 
 # --------------------------------------------------------------------------------------------------- sampler
 
-def _hf_generate_fn(model_dir: str, dtype: str, prompts_BxT: np.ndarray, new_tokens: int,
-                    threads: int | None = None) -> Callable[[], None]:
+HF_EOS = 1  # the EOS id transformers is forced to emit in the longtail workload (prompts may contain it: harmless)
+
+
+def _hf_generate_fn(model_dir: str, dtype: str, prompts_NxT: np.ndarray, new_tokens: int, threads: int | None = None,
+                    lengths_N: np.ndarray | None = None) -> tuple[Callable[[], None], dict]:
+    """(run, realised): greedy transformers generate of every row; with lengths_N each row is forced to emit HF_EOS
+    after exactly lengths_N[n] tokens (and never before), so it stops as an EOS stops it. realised["lengths"]: the
+    tokens before EOS of each row of the last run."""
     import torch
     import transformers
 
     torch.set_num_threads(threads or os.cpu_count() or 1)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, DTYPES[dtype])).eval()
-    ids = torch.as_tensor(prompts_BxT, dtype=torch.long)
+    ids = torch.as_tensor(prompts_NxT, dtype=torch.long)
     mask = torch.ones_like(ids)
+    P = prompts_NxT.shape[1]
+    realised: dict = {}
+
+    class ForceLengths(transformers.LogitsProcessor):
+        def __init__(self):
+            self.lengths_N = torch.as_tensor(lengths_N)
+
+        def __call__(self, input_ids, scores):
+            made = input_ids.shape[1] - P  # tokens generated so far
+            scores[self.lengths_N > made, HF_EOS] = -torch.inf
+            stop_N = self.lengths_N == made
+            scores[stop_N] = -torch.inf
+            scores[stop_N, HF_EOS] = 0.0
+            return scores
+
+    kw = (dict(min_new_tokens=new_tokens, eos_token_id=None) if lengths_N is None else
+          dict(eos_token_id=HF_EOS, logits_processor=transformers.LogitsProcessorList([ForceLengths()])))
 
     def run():
         with torch.no_grad():
-            out = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, pad_token_id=0, eos_token_id=None)
-        assert out.shape[1] == prompts_BxT.shape[1] + new_tokens
-    return run
+            out = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, pad_token_id=0,
+                              **kw)
+        realised["lengths"] = workloads.tokens_before_eos(out[:, P:].numpy(), [HF_EOS] if lengths_N is not None else [])
+    return run, realised
 
 
-def _sage_generate_fn(cfg, params, prompts_BxT: np.ndarray, new_tokens: int) -> Callable[[], None]:
+def _sage_generate_fn(cfg, params, prompts_BxT: np.ndarray, new_tokens: int, group: int = 1,
+                      lengths_N: np.ndarray | None = None, compact: bool = True) -> tuple[Callable[[], None], dict]:
+    """(run, realised): greedy sampler.generate of group samples per prompt, each row stopped after lengths_N[n]
+    tokens when given (EOS ignored); realised["lengths"] as for _hf_generate_fn."""
     from sage_jax import sampler
     prompts = prompts_BxT.tolist()
+    limits = None if lengths_N is None else [int(n) for n in lengths_N]
+    realised: dict = {}
 
     def run():
-        out = sampler.generate(cfg, params, prompts, max_new_tokens=new_tokens, temperature=0.0, eos_ids=())
-        jax.block_until_ready(out)
-    return run
+        out = sampler.generate(cfg, params, prompts, max_new_tokens=new_tokens, temperature=0.0, eos_ids=(),
+                               num_samples=group, row_max_new_tokens=limits, compact=compact)
+        realised["lengths"] = np.asarray(jax.block_until_ready(out.lengths))
+    return run, realised
 
 
 def decode_matmuls_fn(cfg, params, rows: int, steps: int) -> tuple[Callable[[], jax.Array], float]:
@@ -102,10 +135,18 @@ def decode_matmuls_fn(cfg, params, rows: int, steps: int) -> tuple[Callable[[], 
 
 def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 64, prompt_len: int = 32,
                   new_tokens: int = 128, repeats: int = 3, latency: bool = True, seed: int = 0,
-                  hf_threads: int | None = None) -> list[dict]:
-    """Rows of {preset, batch, impl, tokens_per_s, seconds}; also prints a table with the ratios last."""
+                  hf_threads: int | None = None, workload: str = "fixed", group: int = 1,
+                  static: bool = False) -> list[dict]:
+    """Rows of {preset, batch, impl, tokens_per_s, seconds, ...}; also prints a table with the ratios last.
+
+    batch rows = batch / group prompts x group samples (transformers gets each prompt repeated group times). The
+    fixed workload forces new_tokens on every row (EOS ignored) and adds the matmuls-only floor; longtail forces
+    workloads.longtail_lengths on both sides. tokens = the tokens each side generated before EOS (last run).
+    static: also time this sampler as one static batch (compact=False)."""
     from sage_jax import model, sampler
 
+    if batch % group:
+        raise ValueError(f"--batch {batch} rows must be a multiple of --group {group} (rows = prompts x group)")
     rows = []
     load_before = os.getloadavg()[0]
     for name in presets:
@@ -114,23 +155,40 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
         rng = np.random.default_rng(seed)
         with tempfile.TemporaryDirectory() as tmp:
             model.save_hf(tmp, cfg, params)
-            for b in ([batch, 1] if latency and batch != 1 else [batch]):
-                prompts = rng.integers(1, cfg.vocab_size, (b, prompt_len))
-                floor_fn, floor_flops = decode_matmuls_fn(cfg, params, b, new_tokens)
-                fns = {"sage_jax": _sage_generate_fn(cfg, params, prompts, new_tokens),
-                       "transformers": _hf_generate_fn(tmp, dtype, prompts, new_tokens, hf_threads),
-                       MATMULS_ONLY: floor_fn}
+            sizes = [batch, 1] if latency and batch != 1 and workload == "fixed" else [batch]
+            for b in sizes:
+                g = group if b == batch else 1
+                prompts = rng.integers(1, cfg.vocab_size, (b // g, prompt_len))
+                lengths = workloads.workload_lengths(workload, b, new_tokens, seed)
+                forced = None if workload == "fixed" else lengths
+                sides = {"sage_jax": _sage_generate_fn(cfg, params, prompts, new_tokens, g, forced),
+                         "transformers": _hf_generate_fn(tmp, dtype, np.repeat(prompts, g, axis=0), new_tokens,
+                                                         hf_threads, forced)}
+                if static:
+                    sides["sage_jax_static"] = _sage_generate_fn(cfg, params, prompts, new_tokens, g, forced, False)
+                fns = {k: fn for k, (fn, _) in sides.items()}
+                if workload == "fixed":
+                    fns[MATMULS_ONLY], floor_flops = decode_matmuls_fn(cfg, params, b, new_tokens)
                 compiled_before = sampler.compile_count()
                 seconds = {k: statistics.median(t) for k, t in interleaved_seconds(fns, repeats).items()}
-                peak = floor_flops / seconds[MATMULS_ONLY]
-                flops = bench_train.decode_flops(cfg, b, 1, prompt_len, new_tokens)
+                compiled = sampler.compile_count() - compiled_before
+                group_rows = []
                 for impl, s in seconds.items():
-                    f = floor_flops if impl == MATMULS_ONLY else flops
-                    rows.append(dict(preset=name, dtype=dtype, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
-                                     impl=impl, seconds=s, tokens_per_s=b * new_tokens / s,
-                                     ms_per_step=1e3 * s / new_tokens, model_gflops=f / 1e9,
-                                     gflops_per_s=f / s / 1e9, frac_of_peak=f / s / peak))
-                rows[-3]["programs_compiled"] = sampler.compile_count() - compiled_before
+                    made = sides[impl][1]["lengths"] if impl in sides else lengths
+                    row = dict(preset=name, dtype=dtype, workload=workload, batch=b, group=g, prompt_len=prompt_len,
+                               new_tokens=new_tokens, impl=impl, seconds=s, tokens_per_s=int(np.sum(made)) / s,
+                               **workloads.length_quantiles(made, new_tokens))
+                    if workload == "fixed":
+                        peak = floor_flops / seconds[MATMULS_ONLY]
+                        f = floor_flops if impl == MATMULS_ONLY else bench_train.decode_flops(
+                            cfg, b // g, g, prompt_len, new_tokens)
+                        row |= dict(ms_per_step=1e3 * s / new_tokens, model_gflops=f / 1e9, gflops_per_s=f / s / 1e9,
+                                    frac_of_peak=f / s / peak)
+                    group_rows.append(row)
+                ours, theirs = group_rows[0], group_rows[1]
+                ours["programs_compiled"] = compiled
+                ours["vs_transformers"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
+                rows += group_rows
     _print_sampler_table(rows)
     print(f"sampler programs compiled in this run: {sampler.compile_count()}; 1-min load average "
           f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)")
@@ -139,25 +197,31 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
 
 def _print_sampler_table(rows: list[dict]) -> None:
     print()
-    bench_train.print_table(rows, [("preset", ""), ("dtype", ""), ("batch", "d"), ("impl", ""), ("tokens_per_s", ".1f"),
-                                   ("ms_per_step", ".2f"), ("seconds", ".3f"), ("gflops_per_s", ".1f"),
-                                   ("frac_of_peak", ".2f")])
-    print(f"(model FLOPs as sage_jax computes them; peak = the '{MATMULS_ONLY}' row: the same weights' matmuls and "
-          "nothing else, timed in the same loop)")
+    bench_train.print_table(rows, [
+        ("preset", ""), ("dtype", ""), ("workload", ""), ("batch", "d"), ("group", "d"), ("impl", ""),
+        ("tokens", "d"), ("len_p10", ".0f"), ("len_p50", ".0f"), ("len_p90", ".0f"), ("len_max", "d"),
+        ("frac_at_max", ".3f"), ("tokens_per_s", ".1f"), ("ms_per_step", ".2f"), ("seconds", ".3f"),
+        ("gflops_per_s", ".1f"), ("frac_of_peak", ".2f"), ("vs_transformers", ".2f")])
+    print(f"(tokens: generated before EOS by each side, with their length quantiles; model FLOPs as sage_jax computes "
+          f"them; peak = the '{MATMULS_ONLY}' row: the same weights' matmuls and nothing else, timed in the same loop)")
     print("\nratio sage_jax / transformers tokens/s (and the matmuls-only ceiling / transformers):")
     by_key: dict[tuple, dict[str, float]] = {}
     for r in rows:
-        by_key.setdefault((r["preset"], r["dtype"], r["batch"]), {})[r["impl"]] = r["tokens_per_s"]
-    for (preset, dtype, batch), v in by_key.items():
-        print(f"  {preset:8} {dtype:5} batch {batch:>3}: {v['sage_jax'] / v['transformers']:.2f}x "
-              f"(ceiling {v[MATMULS_ONLY] / v['transformers']:.2f}x)")
+        by_key.setdefault((r["preset"], r["dtype"], r["workload"], r["batch"]), {})[r["impl"]] = r["tokens_per_s"]
+    for (preset, dtype, workload, batch), v in by_key.items():
+        ceiling = f" (ceiling {v[MATMULS_ONLY] / v['transformers']:.2f}x)" if MATMULS_ONLY in v else ""
+        print(f"  {preset:8} {dtype:5} {workload:8} batch {batch:>3}: {v['sage_jax'] / v['transformers']:.2f}x"
+              + ceiling)
 
 
 @register("sampler")
 def _sampler_mode(args: argparse.Namespace) -> list[dict]:
     presets = ("tiny", "small") if args.preset == "both" else (args.preset,)
-    return bench_sampler(presets, args.dtype, args.batch, args.prompt_len, args.new_tokens, args.repeats,
-                         hf_threads=args.hf_threads)
+    longtail = args.workload == "longtail"
+    new_tokens = args.new_tokens or (512 if longtail else 128)
+    group = args.group or (8 if longtail else 1)
+    return bench_sampler(presets, args.dtype, args.batch, args.prompt_len, new_tokens, args.repeats,
+                         hf_threads=args.hf_threads, workload=args.workload, group=group, static=args.static)
 
 
 # --------------------------------------------------------------------------------------------------- entry point
@@ -174,19 +238,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=None, help="max new tokens (default 128; longtail 512)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hf-threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument("--workload", default="fixed", choices=list(workloads.WORKLOADS),
+                        help="sampler: completion lengths forced on both sides (see sage_jax.workloads)")
+    parser.add_argument("--group", type=int, default=None, help="sampler: samples per prompt (default 1; longtail 8)")
+    parser.add_argument("--static", action="store_true", help="sampler: also time one static batch (compact=False)")
+    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                        help="write every mode's rows as JSON to PATH (no PATH: one line on stdout)")
     args = parser.parse_args(argv)
+    results = {}
     for mode in (MODES if args.mode == "all" else [args.mode]):
         print(f"== {mode}")
-        MODES[mode](args)
+        results[mode] = MODES[mode](args)
     if args.mode == "all":  # the training-side modes with the same shapes
         shared = ["--preset", args.preset, "--dtype", args.dtype, "--batch", str(args.batch), "--prompt-len",
-                  str(args.prompt_len), "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
+                  str(args.prompt_len), "--new-tokens", str(args.new_tokens or 128), "--repeats", str(args.repeats)]
         for mode in ("matmul", "train_step", "rl_step", "memory", "scaling"):
             print(f"== {mode}")
-            bench_train.main([mode, *shared])
+            results[mode] = bench_train.main([mode, *shared])
+    if args.json:
+        bench_train.write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -259,7 +259,7 @@ def bench_flags(flag_sets: dict[str, str] | None = None, mode: str = "train_step
             proc = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True)
             if proc.returncode:
                 raise RuntimeError(f"{' '.join(cmd[1:])} under XLA_FLAGS={flags!r} failed:\n{proc.stderr[-3000:]}")
-            runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1])["modes"][mode])
     out = []
     for name, per_round in runs.items():
         for i, template in enumerate(per_round[0]):
@@ -608,12 +608,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--no-trl", action="store_true", help="rl_step: our side only")
     parser.add_argument("--plot", default=None, help="scaling: write the two-panel PNG here")
     parser.add_argument("--sizes", default="1024,2048", help="matmul: square sizes")
-    parser.add_argument("--json", action="store_true", help="print the rows as one JSON line at the end")
+    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                        help="write the rows (and their ratios) as JSON to PATH (no PATH: one line on stdout)")
     args = parser.parse_args(argv)
     rows = MODES[args.mode](args)
     if args.json:
-        print(json.dumps(rows))
+        write_json(args.json, {args.mode: rows})
     return rows
+
+
+def write_json(path: str, results: dict[str, list[dict]]) -> None:
+    """{"modes": {mode: rows}, "load_avg_1min", "cores"} to path ("-": one line on stdout)."""
+    payload = {"modes": results, "load_avg_1min": os.getloadavg()[0], "cores": os.cpu_count()}
+    text = json.dumps(payload, default=lambda x: x.item() if hasattr(x, "item") else str(x))
+    if path == "-":
+        print(text)
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(text + "\n")
 
 
 if __name__ == "__main__":

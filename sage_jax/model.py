@@ -177,23 +177,59 @@ def _attention(cfg: ModelConfig, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, allowed_BxTxS)
     return out.reshape(B, T, N, H)
 
 
+DECODE_BLOCK = 64  # cache slots per step of the blocked decode attention
+
+
 def _cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, allowed_BxTxS) -> jax.Array:
     """Attention over a [B,K,S,H] cache: (b, k) lead both operands, so XLA:CPU runs plain batched matmuls instead
     of transposing the whole cache every decode step."""
     B, T, N, H = q_BxTxNxH.shape
-    K = k_BxKxSxH.shape[1]
+    K, S = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
     q = q_BxTxNxH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).reshape(B, K, (N // K) * T, H)
-    if T == 1:  # decoding: a multiply-sum reads the cache once; a matmul with N/K-row operands first repacks it
-        f32 = jnp.float32
-        scores = jnp.sum(q[:, :, :, None].astype(f32) * k_BxKxSxH[:, :, None].astype(f32), axis=-1)
-    else:
-        scores = jnp.einsum("bkqh,bksh->bkqs", q, k_BxKxSxH, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(H)
     allowed = jnp.tile(allowed_BxTxS, (1, N // K, 1))[:, None]  # rows ordered (g, t) like q
-    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxH.dtype)
-    out = jnp.einsum("bkqs,bksh->bkqh", probs, v_BxKxSxH)
+    if T == 1 and S > DECODE_BLOCK:
+        end = S - jnp.argmax(jnp.any(allowed_BxTxS, axis=(0, 1))[::-1])  # one past the last slot any row may read
+        out = _blocked_decode_attention(q, k_BxKxSxH, v_BxKxSxH, allowed, end)
+    else:
+        if T == 1:  # decoding: a multiply-sum reads the cache once; a matmul with N/K-row operands first repacks it
+            scores = _decode_scores(q, k_BxKxSxH)
+        else:
+            scores = jnp.einsum("bkqh,bksh->bkqs", q, k_BxKxSxH, preferred_element_type=jnp.float32)
+        scores = jnp.where(allowed, scores / math.sqrt(H), jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxH.dtype)
+        out = jnp.einsum("bkqs,bksh->bkqh", probs, v_BxKxSxH)
     return out.reshape(B, K, N // K, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+
+
+def _decode_scores(q_BxKxGxH, k_BxKxSxH) -> jax.Array:
+    f32 = jnp.float32
+    return jnp.sum(q_BxKxGxH[:, :, :, None].astype(f32) * k_BxKxSxH[:, :, None].astype(f32), axis=-1)
+
+
+def _blocked_decode_attention(q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, allowed_Bx1xGxS, end) -> jax.Array:
+    """One query per row over the cache slots [0, end), DECODE_BLOCK at a time with a running softmax: a decode step
+    reads the part of the cache written so far, not all of it."""
+    S, H = k_BxKxSxH.shape[2:]
+    blk = DECODE_BLOCK
+    f32 = jnp.float32
+
+    def block(j, carry):
+        max_BxKxG, sum_BxKxG, acc_BxKxGxH = carry
+        start = jnp.minimum(j * blk, S - blk)  # the last block is shifted back to fit; its re-read slots are masked
+        take = lambda x, axis=2: jax.lax.dynamic_slice_in_dim(x, start, blk, axis=axis)
+        ok = take(allowed_Bx1xGxS, 3) & (start + jnp.arange(blk) >= j * blk)
+        scores = jnp.where(ok, _decode_scores(q_BxKxGxH, take(k_BxKxSxH)) / math.sqrt(H), -jnp.inf)
+        new_max = jnp.maximum(max_BxKxG, jnp.max(scores, axis=-1))
+        probs = jnp.where(ok, jnp.exp(scores - new_max[..., None]), 0.0)
+        rescale = jnp.exp(max_BxKxG - new_max)
+        mixed = jnp.einsum("bkgs,bksh->bkgh", probs.astype(v_BxKxSxH.dtype), take(v_BxKxSxH),
+                           preferred_element_type=f32)
+        return new_max, sum_BxKxG * rescale + jnp.sum(probs, axis=-1), acc_BxKxGxH * rescale[..., None] + mixed
+
+    B, K, G, _ = q_BxKxGxH.shape
+    init = (jnp.full((B, K, G), jnp.finfo(f32).min, f32), jnp.zeros((B, K, G), f32), jnp.zeros((B, K, G, H), f32))
+    _, total, acc = jax.lax.fori_loop(0, -(-end // blk), block, init)
+    return (acc / total[..., None]).astype(v_BxKxSxH.dtype)
 
 
 def _project(lp: Params, name: str, equation: str, x: jax.Array, cdt) -> jax.Array:

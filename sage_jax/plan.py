@@ -247,7 +247,7 @@ def lower_sampler(cfg, config, params, shapes: Shapes, mesh, num_eos: int = 4):
     # As generate() on an accelerator (unstack_layers is its CPU-only default).
     static = dict(num_samples=ro.group_size, new_bucket=shapes.new_bucket, greedy=greedy,
                   top_k=0 if greedy or ro.top_k >= cfg.vocab_size else ro.top_k, use_top_p=not greedy and ro.top_p < 1,
-                  use_min_p=not greedy and ro.min_p > 0, mesh=mesh, unstack_layers=False)
+                  use_min_p=not greedy and ro.min_p > 0, mesh=mesh, unstack_layers=False, compact=True)
     fields = {f.name for f in dataclasses.fields(sampler._Plan)}
     if fields - static.keys():
         raise RuntimeError(f"sampler._Plan has fields {sorted(fields - static.keys())} that sage_jax.plan does not "
@@ -260,11 +260,11 @@ def lower_sampler(cfg, config, params, shapes: Shapes, mesh, num_eos: int = 4):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
 
     B, P, N, C = shapes.sampler_prompts, shapes.prompt_len, shapes.sampler_rows, shapes.new_bucket
-    scalars = [arg((), d) for d in (jnp.int32, jnp.int32, jnp.float32, jnp.float32, jnp.float32, jnp.int32)]
+    scalars = [arg((), d) for d in (jnp.int32, jnp.float32, jnp.float32, jnp.float32, jnp.int32)]
     key = arg((), jax.eval_shape(lambda: jax.random.key(0)).dtype)
+    per_row = [arg((N, C), jnp.int32), arg((N, C), jnp.float32), arg((N,), jnp.int32)]  # tokens, logp, limits
     return sampler._generate_program.lower(cfg, plan, params, arg((B, P), jnp.int32), arg((B, P), jnp.bool_),
-                                           arg((N, C), jnp.int32), arg((N, C), jnp.float32), *scalars,
-                                           arg((num_eos,), jnp.int32), key)
+                                           *per_row, *scalars, arg((num_eos,), jnp.int32), key)
 
 
 def memory_stats(lowered) -> dict[str, int]:

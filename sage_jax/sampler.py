@@ -1,9 +1,13 @@
-"""Batched generation: one prefill pass, then a jax.lax.while_loop over a preallocated KV cache, all in one jit.
+"""Batched generation: one prefill pass, then jax.lax.while_loops over a preallocated KV cache, all in one jit.
 
 Shapes are bucketed -- prompt length to a power of two (>= 16), new tokens to a power of two (>= 32) up to 512 and
-a multiple of 512 beyond -- and the real limits are traced scalars, so a training run compiles a handful of programs
-(`compile_count()`). Prompts are left-padded; `num_samples=G` prefills each prompt once and repeats its cache for
-its G rows, which come out consecutively (prompt 0's G samples first).
+a multiple of 512 beyond -- and the real limits (one per row) are traced, so a training run compiles a handful of
+programs (`compile_count()`). Prompts are left-padded; `num_samples=G` prefills each prompt once and repeats its
+cache for its G rows, which come out consecutively (prompt 0's G samples first).
+
+Rows that stop do not wait for the slowest one: whenever no more rows are live than the next smaller batch size
+(`decode_buckets`), the live rows and their caches move into a batch of that size and decoding goes on
+there. Decode attention reads only the cache blocks written so far (model._cached_attention).
 
 Behaviour log-probs: `logprobs[b, j]` is log softmax(logits / T) of the sampled token *before* top-k / top-p / min-p
 truncation (log softmax(logits) when greedy, T = 0), the quantity the trainer recomputes for the policy at
@@ -49,6 +53,7 @@ class _Plan:
     use_min_p: bool
     mesh: Mesh | None
     unstack_layers: bool
+    compact: bool  # move live rows into smaller batches as rows stop (decode_buckets); False: one static batch
 
 
 _PROGRAMS: set[tuple] = set()
@@ -159,13 +164,57 @@ def sample_tokens(logits_BxV: jax.Array, key: jax.Array, rows_B: jax.Array, *, g
 
 # --------------------------------------------------------------------------------------------------- the program
 
+SMALLEST_BUCKET = 4  # compaction stops here: below it a decode step costs about the weights' read whatever the rows
+
+
+def decode_buckets(rows: int, dp: int = 1, compact: bool = True) -> tuple[int, ...]:
+    """Batch sizes the decode loop runs at, largest first: `rows`, then the powers of two below it and 3/4 of each
+    power of two from 32 up (64, 48, 32, 24, 16, 8, 4: finer steps where a padded slot costs the most), each
+    rounded up to a multiple of the data-parallel size dp, down to SMALLEST_BUCKET. The loop moves its live rows to
+    the next size once no more than that many are left."""
+    sizes = [rows]
+    top = rows.bit_length()
+    candidates = {1 << k for k in range(top + 1)} | {3 << (k - 2) for k in range(5, top + 1)}
+    for size in sorted(candidates, reverse=True) if compact else ():
+        size = -(-size // dp) * dp
+        if SMALLEST_BUCKET <= size < sizes[-1]:
+            sizes.append(size)
+    return tuple(sizes)
+
+
 def _constrain_cache(cache: list) -> list:
     return [tuple(sharding_lib.constrain(c, model_lib.cache_axes()) for c in kv) for kv in cache]
 
 
+class _Slots(NamedTuple):
+    """The decode batch: slot b holds output row rows_b[b] (its key and where its tokens go)."""
+    rows_b: jax.Array
+    last_b: jax.Array  # the token fed at the next step
+    cache: list
+    kv_mask_bxS: jax.Array
+    prompt_len_b: jax.Array
+
+
+class _Out(NamedTuple):
+    """Per output row, in row order whatever slot a row sits in."""
+    tokens_NxC: jax.Array
+    logp_NxC: jax.Array
+    lengths_N: jax.Array
+    finished_N: jax.Array
+
+
+def _compact(slots: _Slots, done_N: jax.Array, size: int) -> _Slots:
+    """The first `size` slots after a stable sort putting live rows first (the caller ensures they all fit)."""
+    keep = jnp.argsort(done_N[slots.rows_b], stable=True)[:size]
+    take = lambda x: jnp.take(x, keep, axis=0)
+    return _Slots(take(slots.rows_b), take(slots.last_b), _constrain_cache([tuple(take(c) for c in kv)
+                                                                            for kv in slots.cache]),
+                  take(slots.kv_mask_bxS), take(slots.prompt_len_b))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("tokens_NxC", "logp_NxC"))
 def _generate_program(cfg: ModelConfig, plan: _Plan, params: Params, prompt_BxP: jax.Array, prompt_mask_BxP: jax.Array,
-                      tokens_NxC: jax.Array, logp_NxC: jax.Array, limit: jax.Array, num_valid: jax.Array,
+                      tokens_NxC: jax.Array, logp_NxC: jax.Array, limit_N: jax.Array, num_valid: jax.Array,
                       temperature: jax.Array, top_p: jax.Array, min_p: jax.Array, pad_id: jax.Array,
                       eos_E: jax.Array, key: jax.Array):
     B, P = prompt_BxP.shape
@@ -186,47 +235,56 @@ def _generate_program(cfg: ModelConfig, plan: _Plan, params: Params, prompt_BxP:
     grow = lambda c: jnp.pad(jnp.repeat(c, G, axis=0), [(0, C if a == seq_axis else 0) for a in range(c.ndim)])
     cache = _constrain_cache([tuple(grow(c) for c in kv) for kv in cache])
     mask_NxP = jnp.repeat(mask_BxP, G, axis=0)
-    # Causality in forward_with_cache already hides slots not yet written, so the kv mask never changes.
+    # Causality in forward_with_cache already hides slots not yet written, so a row's kv mask never changes.
     kv_mask_NxS = jnp.concatenate([mask_NxP, jnp.ones((N, C), jnp.bool_)], axis=1)
-    prompt_len_N = jnp.sum(mask_NxP, axis=-1, dtype=jnp.int32)
     rows_N = jnp.arange(N, dtype=jnp.int32)
     valid_N = rows_N < num_valid
+    done = lambda out: out.finished_N | (out.lengths_N >= limit_N) | ~valid_N
 
-    def record(i, tok_N, logp_N, state):
-        tokens, logp, lengths, finished, done = state
-        active_N = ~done
-        tok_N = jnp.where(active_N, tok_N, pad_id)
-        logp_N = jnp.where(active_N, logp_N, 0.0)
-        tokens = jax.lax.dynamic_update_slice_in_dim(tokens, tok_N[:, None], i, axis=1)
-        logp = jax.lax.dynamic_update_slice_in_dim(logp, logp_N[:, None], i, axis=1)
-        hit_eos_N = active_N & jnp.any(tok_N[:, None] == eos_E[None, :], axis=-1)
-        finished = finished | hit_eos_N
-        return tok_N, (tokens, logp, lengths + active_N.astype(jnp.int32), finished, done | hit_eos_N)
+    def record(i, rows_b, tok_b, logp_b, out: _Out):
+        active_b = ~done(out)[rows_b]
+        tok_b = jnp.where(active_b, tok_b, pad_id)
+        hit_eos_b = active_b & jnp.any(tok_b[:, None] == eos_E[None, :], axis=-1)
+        # A stopped row writes pad at step i, which its row already holds there.
+        return tok_b, _Out(out.tokens_NxC.at[rows_b, i].set(tok_b),
+                           out.logp_NxC.at[rows_b, i].set(jnp.where(active_b, logp_b, 0.0)),
+                           out.lengths_N.at[rows_b].add(active_b.astype(jnp.int32)),
+                           out.finished_N.at[rows_b].set(out.finished_N[rows_b] | hit_eos_b))
+
+    def body(carry):
+        i, slots, out = carry
+        positions_bx1 = (slots.prompt_len_b + i - 1)[:, None]
+        h_bx1xD, cache = model_lib.forward_with_cache(cfg, params, slots.last_b[:, None], positions_bx1, slots.cache,
+                                                      P + i - 1, slots.kv_mask_bxS, return_hidden=True)
+        logits_bxV = model_lib.logits_from_hidden(cfg, params, h_bx1xD)[:, 0]
+        tok_b, logp_b = sample(logits_bxV, jax.random.fold_in(key, i), slots.rows_b)
+        last_b, out = record(i, slots.rows_b, tok_b, logp_b, out)
+        return i + 1, slots._replace(last_b=last_b, cache=_constrain_cache(cache)), out
 
     tok_N, logp_N = sample(logits_NxV, jax.random.fold_in(key, 0), rows_N)
     no_N = jnp.zeros((N,), jnp.bool_)
-    last_N, state = record(0, tok_N, logp_N, (tokens_NxC, logp_NxC, jnp.zeros((N,), jnp.int32), no_N, ~valid_N))
-
-    def cond(carry):
-        i, _, _, state = carry
-        return (i < limit) & ~jnp.all(state[-1])
-
-    def body(carry):
-        i, last_N, cache, state = carry
-        positions_Nx1 = (prompt_len_N + i - 1)[:, None]
-        h_Nx1xD, cache = model_lib.forward_with_cache(cfg, params, last_N[:, None], positions_Nx1, cache, P + i - 1,
-                                                      kv_mask_NxS, return_hidden=True)
-        logits_NxV = model_lib.logits_from_hidden(cfg, params, h_Nx1xD)[:, 0]
-        tok_N, logp_N = sample(logits_NxV, jax.random.fold_in(key, i), rows_N)
-        last_N, state = record(i, tok_N, logp_N, state)
-        return i + 1, last_N, _constrain_cache(cache), state
-
-    steps, _, _, (tokens, logp, lengths, finished, _) = jax.lax.while_loop(
-        cond, body, (jnp.int32(1), last_N, cache, state))
-    return tokens, logp, lengths, finished, jnp.repeat(prompt_BxP, G, axis=0), mask_NxP, steps
+    out = _Out(tokens_NxC, logp_NxC, jnp.zeros((N,), jnp.int32), no_N)
+    last_N, out = record(0, rows_N, tok_N, logp_N, out)
+    slots = _Slots(rows_N, last_N, cache, kv_mask_NxS, jnp.sum(mask_NxP, axis=-1, dtype=jnp.int32))
+    # Finished rows stop costing work: once no more live rows are left than the next (smaller) size, they move
+    # there and the loop goes on at that size. A row's keys and positions do not depend on its slot.
+    sizes = decode_buckets(N, _data_parallel(plan.mesh), plan.compact)
+    i = jnp.int32(1)
+    for level, size in enumerate(sizes):
+        if level:
+            slots = _compact(slots, done(out), size)
+        next_size = sizes[level + 1] if level + 1 < len(sizes) else 0
+        cond = lambda carry, n=next_size: (carry[0] < C) & (jnp.sum(~done(carry[2])) > n)
+        i, slots, out = jax.lax.while_loop(cond, body, (i, slots, out))
+    return (out.tokens_NxC, out.logp_NxC, out.lengths_N, out.finished_N, jnp.repeat(prompt_BxP, G, axis=0), mask_NxP,
+            i)
 
 
 # --------------------------------------------------------------------------------------------------- public API
+
+def _data_parallel(mesh: Mesh | None) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1
+
 
 def _mesh_of(params: Params) -> Mesh | None:
     leaf = jax.tree.leaves(params)[0]
@@ -250,15 +308,17 @@ def _left_pad(prompts: Sequence[Sequence[int]], rows: int, width: int, pad_id: i
 def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
              eos_ids: Sequence[int] | None = None, seed: int | jax.Array = 0, num_samples: int = 1,
-             pad_id: int | None = None, mesh: Mesh | None = None, unstack_layers: bool | None = None
-             ) -> SampleOutput:
+             pad_id: int | None = None, mesh: Mesh | None = None, unstack_layers: bool | None = None,
+             row_max_new_tokens: Sequence[int] | None = None, compact: bool = True) -> SampleOutput:
     """Sample `num_samples` completions of up to `max_new_tokens` for each prompt (lists of token ids).
 
     temperature 0 is greedy. eos_ids defaults to cfg.eos_token_ids, pad_id to cfg.pad_token_id; seed may be an int
     or a jax PRNG key. With a mesh (given, or the one params are sharded on) rows go over ("data", "fsdp") and KV
     heads over "tensor"; the batch is padded internally to a multiple of the data-parallel size.
     unstack_layers (default: on the CPU backend only) slices the stacked layer weights once before the decode loop;
-    see model.unstack_layers.
+    see model.unstack_layers. row_max_new_tokens (one per output row, prompt-major, each <= max_new_tokens) stops
+    each row at its own budget, marked truncated. compact=False keeps every row in the decode batch until the last
+    one stops (the tokens are the same; it only costs more).
     """
     prompts = [[int(t) for t in p] for p in prompts]
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -277,10 +337,14 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
         raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size}); got {min(vocab_ids)}..{max(vocab_ids)}")
     pad_id = cfg.pad_token_id if pad_id is None else int(pad_id)
     eos_ids = tuple(cfg.eos_token_ids if eos_ids is None else (int(e) for e in eos_ids))
+    B, G = len(prompts), num_samples
+    limits = [max_new_tokens] * (B * G) if row_max_new_tokens is None else [int(n) for n in row_max_new_tokens]
+    if len(limits) != B * G or not all(1 <= n <= max_new_tokens for n in limits):
+        raise ValueError(f"row_max_new_tokens needs {B * G} entries (prompts x num_samples), each in "
+                         f"[1, max_new_tokens={max_new_tokens}]")
 
     mesh = mesh if mesh is not None else _mesh_of(params)
-    dp = mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1
-    B, G = len(prompts), num_samples
+    dp = _data_parallel(mesh)
     rows = B
     while (rows * G) % dp:  # smallest padding that lets the N = rows * G decode rows split over data x fsdp
         rows += 1
@@ -290,27 +354,28 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     greedy = temperature == 0
     plan = _Plan(num_samples=G, new_bucket=C, greedy=greedy, top_k=0 if greedy or top_k >= cfg.vocab_size else top_k,
                  use_top_p=not greedy and top_p < 1, use_min_p=not greedy and min_p > 0, mesh=mesh,
-                 unstack_layers=jax.default_backend() == "cpu" if unstack_layers is None else bool(unstack_layers))
+                 unstack_layers=jax.default_backend() == "cpu" if unstack_layers is None else bool(unstack_layers),
+                 compact=bool(compact))
     key = seed if isinstance(seed, jax.Array) else jax.random.key(int(seed))
 
-    outputs = (np.full((N, C), pad_id, np.int32), np.zeros((N, C), np.float32))
+    per_row = (np.full((N, C), pad_id, np.int32), np.zeros((N, C), np.float32),
+               np.array(limits + [1] * (N - B * G), np.int32))  # filler rows start done whatever their limit
     if mesh is not None:
         if _mesh_of(params) != mesh:
             params = sharding_lib.shard_params(params, mesh, cfg=cfg)
         put = lambda x: jax.device_put(x, sharding_lib.data_sharding(mesh, x.ndim) if x.shape[0] % dp == 0
                                        else NamedSharding(mesh, PartitionSpec()))
         tokens_BxP, mask_BxP = put(tokens_BxP), put(mask_BxP)
-        outputs = tuple(put(x) for x in outputs)
+        per_row = tuple(put(x) for x in per_row)
         key = jax.device_put(key, NamedSharding(mesh, PartitionSpec()))
-    scalars = (np.int32(min(max_new_tokens, C)), np.int32(B * G), np.float32(temperature or 1.0),
-               np.float32(top_p), np.float32(min_p), np.int32(pad_id))
+    scalars = (np.int32(B * G), np.float32(temperature or 1.0), np.float32(top_p), np.float32(min_p), np.int32(pad_id))
     eos_E = np.full(max(4, 1 << max(len(eos_ids) - 1, 0).bit_length()), -1, np.int32)  # -1 never matches
     eos_E[:len(eos_ids)] = eos_ids
     _PROGRAMS.add((cfg, plan, rows, P, len(eos_E), jax.tree.structure(params),
                    tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree.leaves(params))))
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         tokens, logp, lengths, finished, prompt_tokens, prompt_mask, steps = _generate_program(
-            cfg, plan, params, tokens_BxP, mask_BxP, *outputs, *scalars, eos_E, key)
+            cfg, plan, params, tokens_BxP, mask_BxP, *per_row, *scalars, eos_E, key)
     n = B * G
     return SampleOutput(tokens=tokens[:n, :max_new_tokens], lengths=lengths[:n], finished=finished[:n],
                         logprobs=logp[:n, :max_new_tokens], prompt_tokens=prompt_tokens[:n],

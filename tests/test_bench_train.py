@@ -1,6 +1,7 @@
 """Smoke tests: every bench_train mode on the tiny preset with tiny shapes (seconds each)."""
 
 import importlib.util
+import json
 import math
 import os
 import time
@@ -102,7 +103,8 @@ def test_flags_runs_each_set_in_a_process():
 def test_main_json(capsys):
     rows = bench_train.main(["train_step", "--batch", "2", "--prompt-len", "16", "--new-tokens", "8", "--repeats",
                              "1", "--json"])
-    assert rows[0]["preset"] == "tiny" and capsys.readouterr().out.strip().splitlines()[-1].startswith("[{")
+    assert rows[0]["preset"] == "tiny"
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["modes"]["train_step"][0]["preset"] == "tiny"
 
 
 def test_rl_step_mode_rejects_bad_group():
@@ -123,3 +125,26 @@ def test_bench_all_forwards_the_shared_flags(monkeypatch):
     assert all(len(c) % 2 == 1 and all(flag.startswith("--") for flag in c[1::2]) for c in calls[1:])  # flag, value
     assert all(c[c.index("--preset") + 1] == "tiny" and c[c.index("--batch") + 1] == "8" for c in calls[1:])
     assert not any("--hf-threads" in c for c in calls[1:])
+
+
+def test_main_json_to_a_path(tmp_path):
+    path = tmp_path / "out" / "matmul.json"
+    rows = bench_train.main(["matmul", "--sizes", "64", "--repeats", "1", "--json", str(path)])
+    saved = json.loads(path.read_text())
+    assert saved["modes"]["matmul"] == rows and saved["cores"] >= 1 and saved["load_avg_1min"] >= 0
+
+
+def test_bench_sampler_longtail_smoke(tmp_path):
+    """Both sides generate the same forced long-tailed lengths (transformers stopped by a forced EOS)."""
+    pytest.importorskip("torch")
+    from sage_jax import bench, workloads
+    path = tmp_path / "sampler.json"
+    bench.main(["sampler", "--workload", "longtail", "--preset", "tiny", "--batch", "8", "--group", "4",
+                "--prompt-len", "8", "--new-tokens", "40", "--repeats", "1", "--static", "--json", str(path)])
+    rows = json.loads(path.read_text())["modes"]["sampler"]
+    assert [r["impl"] for r in rows] == ["sage_jax", "transformers", "sage_jax_static"]
+    lengths = workloads.longtail_lengths(8, 40)
+    for r in rows:
+        assert r["workload"] == "longtail" and r["tokens"] == lengths.sum() and r["len_max"] == 40
+        assert r["len_p50"] == np.median(lengths) and _finite_positive([r], "tokens_per_s")
+    assert rows[0]["vs_transformers"] == pytest.approx(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"])

@@ -211,13 +211,94 @@ def test_sharded_greedy_equals_single_device(params):
         got = _np(out)
         np.testing.assert_array_equal(got["tokens"], np.repeat(ref["tokens"][:3], 2, axis=0))
         np.testing.assert_allclose(got["logprobs"], np.repeat(ref["logprobs"][:3], 2, axis=0), atol=1e-4)
+    # 3 prompts x 4 samples: 12 rows (decode buckets 12, 8, 4 over data x fsdp = 4), rows stopping at their budgets
+    limits = [8, 1, 2, 3, 5, 1, 1, 2, 7, 4, 1, 2]
+    got = _np(sampler.generate(CFG, sharded, prompts, max_new_tokens=8, temperature=0.0, num_samples=4,
+                               row_max_new_tokens=limits))
+    assert sampler.decode_buckets(12, dp=4) == (12, 8, 4)
+    expected = np.where(np.arange(8)[None] < np.array(limits)[:, None], np.repeat(ref["tokens"][:3], 4, axis=0),
+                        CFG.pad_token_id)
+    np.testing.assert_array_equal(got["tokens"], expected)
+    np.testing.assert_array_equal(got["lengths"], limits)
 
 
 def test_one_compile_per_bucket(params):
     before = sampler.compile_count()
-    for seed, prompts in enumerate([[[1, 2, 3], [4, 5]], [[6] * 9, [7, 8, 9, 10]], [[11] * 14, [12]]]):
-        sampler.generate(CFG, params, prompts, max_new_tokens=10 + 5 * seed, temperature=1.0, seed=seed)
+    for seed, prompts in enumerate([[[1, 2, 3], [4, 5]], [[6] * 9, [7, 8, 9, 10]], [[11] * 14, [12]]] * 3):
+        new = 10 + 5 * (seed % 3)
+        limits = [1 + (seed * 7 + r * 5) % new for r in range(2)]
+        sampler.generate(CFG, params, prompts, max_new_tokens=new, temperature=1.0, seed=seed,
+                         row_max_new_tokens=None if seed % 2 else limits, eos_ids=(seed % 5 + 1,))
     assert sampler.compile_count() - before == 1
+
+
+def test_decode_buckets():
+    assert sampler.decode_buckets(64) == (64, 48, 32, 24, 16, 8, 4)
+    assert sampler.decode_buckets(100) == (100, 96, 64, 48, 32, 24, 16, 8, 4)
+    assert sampler.decode_buckets(6) == (6, 4)
+    assert sampler.decode_buckets(3) == (3,)  # nothing at or above the smallest bucket below it
+    assert sampler.decode_buckets(24, dp=3) == (24, 18, 9, 6)  # each rounded up to a multiple of data x fsdp
+    assert sampler.decode_buckets(8, dp=8) == (8,)
+    assert sampler.decode_buckets(64, compact=False) == (64,)
+
+
+def _longtail_case(params, **kw):
+    """4 prompts x 4 samples = 16 rows (decode buckets 16, 8, 4), budgets 1..70 new tokens: the cache (16 prompt +
+    128 new slots) spans three 64-slot attention blocks, the last one shifted back to fit."""
+    limits = [70, 1, 5, 33, 2, 64, 9, 3, 17, 1, 40, 6, 12, 2, 25, 4]
+    run = lambda compact: _np(sampler.generate(CFG, params, PROMPTS, max_new_tokens=70, num_samples=4,
+                                               row_max_new_tokens=limits, compact=compact, **kw))
+    return run(True), run(False), np.array(limits)
+
+
+def _assert_same_outputs(a, b):
+    for key in ("tokens", "lengths", "finished", "prompt_tokens", "prompt_mask", "steps"):
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+    np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=1e-5)
+
+
+def test_compaction_equals_static_batch_greedy_with_forced_lengths(params):
+    compacted, static, limits = _longtail_case(params, temperature=0.0, eos_ids=())
+    _assert_same_outputs(compacted, static)
+    np.testing.assert_array_equal(compacted["lengths"], limits)
+    assert not compacted["finished"].any() and compacted["steps"] == 70
+    longest = _np(sampler.generate(CFG, params, PROMPTS, max_new_tokens=70, temperature=0.0, eos_ids=()))
+    for b, n in enumerate(limits):  # each row: the first n tokens of its prompt's greedy completion, then padding
+        np.testing.assert_array_equal(compacted["tokens"][b, :n], longest["tokens"][b // 4, :n])
+        assert (compacted["tokens"][b, n:] == CFG.pad_token_id).all() and (compacted["logprobs"][b, n:] == 0).all()
+
+
+def test_compaction_equals_static_batch_with_eos_and_sampling(params):
+    free = _np(sampler.generate(CFG, params, PROMPTS, max_new_tokens=70, temperature=1.0, seed=3, eos_ids=(),
+                                num_samples=4))
+    eos = (int(free["tokens"][0, 20]), int(free["tokens"][5, 2]))
+    compacted, static, limits = _longtail_case(params, temperature=1.0, seed=3, eos_ids=eos, top_p=0.9)
+    _assert_same_outputs(compacted, static)
+    stopped = compacted["finished"]
+    assert stopped.any() and (compacted["lengths"] <= limits).all()
+    last = compacted["tokens"][np.arange(16), compacted["lengths"] - 1]
+    assert np.isin(last[stopped], eos).all()
+    assert (compacted["lengths"][~stopped] == limits[~stopped]).all()
+
+
+def test_blocked_decode_attention_matches_softmax_and_skips_unwritten_blocks():
+    rng = np.random.default_rng(0)
+    B, N, K, H, S = 3, 4, 2, 8, 300  # S is not a multiple of the block: the last block is shifted back
+    q = jnp.asarray(rng.normal(size=(B, 1, N, H)), jnp.float32)
+    k, v = (rng.normal(size=(B, K, S, H)).astype(np.float32) for _ in range(2))
+    allowed = np.zeros((B, 1, S), bool)
+    for b, (first, end) in enumerate([(0, 70), (10, 130), (40, 129)]):  # left padding, then written slots
+        allowed[b, 0, first:end] = True
+    k[:, :, 192:], v[:, :, 192:] = np.nan, np.nan  # blocks past the last written slot must not be read
+    got = np.asarray(model._cached_attention(q, jnp.asarray(k), jnp.asarray(v), jnp.asarray(allowed)))
+    assert S > model.DECODE_BLOCK and np.isfinite(got).all()
+    qg = np.asarray(q).reshape(B, K, N // K, H)
+    scores = np.einsum("bkgh,bksh->bkgs", qg, np.nan_to_num(k)) / np.sqrt(H)
+    scores = np.where(allowed[:, None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    expected = np.einsum("bkgs,bksh->bkgh", probs, np.nan_to_num(v)).reshape(B, 1, N, H)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
 
 
 def test_bench_sampler_smoke():
