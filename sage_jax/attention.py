@@ -206,8 +206,18 @@ def splash(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block: int = 512, i
 
     def one(q_GxTxH, k_TxH, v_TxH, seg_T):
         return kernel(q_GxTxH, k_TxH, v_TxH, segment_ids=sa.SegmentIds(q=seg_T, kv=seg_T))
-    per_head = jax.vmap(one, in_axes=(0, 0, 0, None))
-    out = jax.vmap(per_head, in_axes=(0, 0, 0, 0))(q, k, v, seg)
+
+    def local(q, k, v, seg):
+        return jax.vmap(jax.vmap(one, in_axes=(0, 0, 0, None)))(q, k, v, seg)
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:  # a Pallas kernel is not partitioned by XLA: run it per shard (rows over batch, kv heads)
+        from sage_jax import sharding
+        rules = sharding._RULES.get() or sharding.DEFAULT_RULES
+        spec = lambda *axes: sharding.logical_to_spec(axes, rules)
+        heads = spec("batch", "kv_heads", None, None, None)
+        local = jax.shard_map(local, in_specs=(heads, spec("batch", "kv_heads", None, None), spec("batch", "kv_heads",
+                              None, None), spec("batch", None)), out_specs=heads, check_vma=False)
+    out = local(q, k, v, seg)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 

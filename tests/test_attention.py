@@ -105,3 +105,16 @@ def test_model_logprobs_agree_across_implementations(impl):
     real = np.asarray(mask, bool)
     for a, b in zip(got, ref):
         np.testing.assert_allclose(np.where(real, a, 0), np.where(real, b, 0), atol=1e-4)
+
+
+def test_splash_interpret_under_a_mesh_matches_naive():
+    """On a mesh the kernel runs per shard (rows over data x fsdp); still the naive result."""
+    pytest.importorskip("jax.experimental.pallas.ops.tpu.splash_attention")
+    from sage_jax import sharding
+    mesh = sharding.make_mesh((2, 1, 1), jax.devices()[:2])
+    q, k, v = _qkv(T=128, H=128)
+    seg = jnp.asarray(np.stack([[1] * 50 + [2] * 60 + [0] * 18, [0] * 20 + [1] * 108]), jnp.int32)
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda *a: attention.splash(*a, block=128, interpret=True))(q, k, v, seg)
+    real = (seg > 0)[:, :, None, None]
+    np.testing.assert_allclose(np.where(real, got, 0), np.where(real, attention.naive(q, k, v, seg), 0), atol=1e-4)
