@@ -18,7 +18,9 @@ def get_config(arg=None):
     c.model = ml_collections.ConfigDict(dict(
         path="", preset="", vocab_size=0, hidden_size=0, num_layers=0, num_heads=0, num_kv_heads=0,
         intermediate_size=0, param_dtype="float32", compute_dtype="bfloat16", remat=False, scan_layers=True,
-        logits_chunk=512, ref_dtype="bfloat16"))
+        logits_chunk=512, ref_dtype="bfloat16",
+        # training / no-grad attention: auto | naive | blockwise | cudnn | splash (sage_jax/attention.py)
+        attention="auto"))
     c.tokenizer_path = ""  # defaults to model.path
 
     c.mesh = ml_collections.ConfigDict(dict(shape=(1, -1, 1)))
@@ -52,6 +54,7 @@ def get_config(arg=None):
     c.train = ml_collections.ConfigDict(dict(
         steps=1000, log_every=1, ckpt_every=50, keep_ckpts=3, eval_every=100, sample_every=10, export_hf=True,
         reward="math", reward_workers=8, reward_timeout=10.0, logprob_rows=64,
+        packing=True,  # reference / old-policy passes and updates on packed rows (sage_jax/packing.py)
         dynamic_sampling=False, max_resample=3, overlong_buffer=0, overlong_penalty=1.0,
         use_tensorboard=True, use_wandb=False, progress=True))
 

@@ -353,7 +353,7 @@ def _sage_rl_runner(cfg: model.ModelConfig, params, prompts_BxP: np.ndarray, gro
         t.append(time.perf_counter())
         adv_N = objectives.group_advantages(rewards_N, group, scale=loss_cfg.adv_scale)
         batch = rollouts.build_batch(ro, np.asarray(adv_N), cfg.pad_token_id, new_tokens, packed=packed)
-        if packed:
+        if packing.is_packed(batch):
             batch["ref_logp"], _ = packing.sequence_logprobs(cfg, ref_params, batch, temperature=loss_cfg.temperature)
         else:
             batch["ref_logp"], _ = trainer.sequence_logprobs(cfg, ref_params, batch["tokens"], batch["mask"],

@@ -32,6 +32,7 @@ from sage_jax import model as model_lib
 from sage_jax import objectives
 
 PACKED_KEYS = ("tokens", "segment_ids", "positions")
+MIN_SAVING = 1 / 8  # pack_if_smaller keeps the padded batch unless packing removes at least this share of positions
 
 
 def _first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[tuple[int, int]]:
@@ -103,6 +104,40 @@ def pack(batch: Mapping[str, np.ndarray], slices: int = 1, row_len: int = 0, row
     return out
 
 
+def pack_if_smaller(batch: Mapping[str, np.ndarray], slices: int = 1, rows_multiple: int = 1,
+                    pad_id: int = 0) -> Mapping[str, np.ndarray]:
+    """pack(), or the padded batch itself where packing would not remove MIN_SAVING of the computed positions
+    (equal lengths: the packed rows would be the padded ones, plus logits on prompt positions); loss_fn takes both."""
+    packed = pack(batch, slices, rows_multiple=rows_multiple, pad_id=pad_id)
+    if packed["tokens"].size > (1 - MIN_SAVING) * np.asarray(batch["tokens"]).size:
+        return batch
+    return packed
+
+
+def is_packed(batch: Mapping[str, Any]) -> bool:
+    return "segment_ids" in batch
+
+
+def slice_count(rows: int, group_size: int, data_parallel: int, grad_accum: int, mini_batches: int) -> int:
+    """The fewest slices that split evenly over devices x micro-batches x mini-batches (of whole prompt groups)."""
+    slices = data_parallel * grad_accum * mini_batches
+    if rows % slices or (mini_batches > 1 and (rows // slices) % group_size):
+        raise ValueError(f"train.packing: {rows} rows do not split into {slices} slices (data-parallel devices x "
+                         f"optim.grad_accum x optim.mini_batches) of whole groups of {group_size}; change those "
+                         "or set --config.train.packing=False")
+    return slices
+
+
+def row_view(a: jax.Array) -> jax.Array:
+    """A per-row array [S, n, ...] of the packed layout as [S * n, ...] (the padded batch's row order)."""
+    return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+
+
+def num_tokens(batch: Mapping[str, Any]) -> int:
+    """Real (prompt + completion) tokens of a loss batch, either layout."""
+    return int((np.asarray(batch["segment_ids" if "segment_ids" in batch else "mask"]) > 0).sum())
+
+
 def padded_fraction(batch: Mapping[str, Any]) -> float:
     """Share of the positions the model computes on that hold no real token (either layout)."""
     if "segment_ids" in batch:
@@ -114,14 +149,10 @@ def padded_fraction(batch: Mapping[str, Any]) -> float:
 
 # --------------------------------------------------------------------------------------------------- model side
 
-def _flat_rows(a: jax.Array) -> jax.Array:
-    return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
-
-
 def completion_logprobs(cfg: model_lib.ModelConfig, params, batch: Mapping[str, jax.Array], temperature: float):
     """(logp, entropy) [S * n, C] of every row's completion tokens, computed on the packed rows."""
     S, R, L = batch["tokens"].shape
-    tokens, seg, pos = (_flat_rows(batch[k]) for k in PACKED_KEYS)
+    tokens, seg, pos = (row_view(batch[k]) for k in PACKED_KEYS)
     targets = jnp.concatenate([tokens[:, 1:], jnp.full_like(tokens[:, :1], cfg.pad_token_id)], axis=1)
     logp, ent = model_lib.logprobs_and_entropy(cfg, params, tokens, targets, positions_BxT=pos,
                                                temperature=temperature, segment_ids_BxT=seg)
@@ -141,7 +172,10 @@ def sequence_logprobs(cfg: model_lib.ModelConfig, params, batch: Mapping[str, ja
 
 def loss_fn(params, batch: Mapping[str, jax.Array], model_cfg: model_lib.ModelConfig,
             loss_cfg: objectives.LossConfig, step: jax.Array | int = 0, key: jax.Array | None = None):
-    """objectives.loss_fn for a packed batch: the same loss and metrics as on the padded batch it was packed from."""
+    """objectives.loss_fn for a packed batch (the same loss and metrics as on the padded batch it was packed from);
+    a padded batch goes to objectives.loss_fn itself."""
+    if not is_packed(batch):
+        return objectives.loss_fn(params, batch, model_cfg, loss_cfg, step, key)
     logp, ent = completion_logprobs(model_cfg, params, batch, loss_cfg.temperature)
-    rows = {k: _flat_rows(v) for k, v in batch.items() if k not in (*PACKED_KEYS, "gather") and v is not None}
+    rows = {k: row_view(v) for k, v in batch.items() if k not in (*PACKED_KEYS, "gather") and v is not None}
     return objectives.loss_from_logprobs(logp, ent, rows, loss_cfg, step, key)

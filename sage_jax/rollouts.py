@@ -66,7 +66,8 @@ def build_batch(ro: dict[str, Any], advantages: np.ndarray, pad_id: int, max_new
     """Loss batch (objectives.loss_fn layout); completions trimmed to a length bucket to save compute.
 
     packed: several rows' real tokens per row instead (packing.pack: `slices` independent slices of whole rows,
-    for packing.loss_fn / packing.sequence_logprobs), so the model computes on real tokens only.
+    for packing.loss_fn / packing.sequence_logprobs), so the model computes on real tokens only; kept padded where
+    that would not save much (packing.pack_if_smaller: equal lengths).
     """
     C = min(bucket_length(int(ro["lengths"].max(initial=1)), COMPLETION_BUCKETS), max_new_tokens)
     comp = ro["tokens"][:, :C]
@@ -80,4 +81,4 @@ def build_batch(ro: dict[str, Any], advantages: np.ndarray, pad_id: int, max_new
         "sampler_logp": np.where(comp_mask, ro["sampler_logp"][:, :C], 0.0).astype(np.float32),
         "truncated": ~ro["finished"],
     }
-    return packing.pack(batch, slices, rows_multiple=rows_multiple, pad_id=pad_id) if packed else batch
+    return packing.pack_if_smaller(batch, slices, rows_multiple, pad_id) if packed else batch

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 from sage_jax import model as model_lib
-from sage_jax import checkpoint, evaluation, objectives, rollouts, sampler, sharding, tasks
+from sage_jax import checkpoint, evaluation, objectives, packing, rollouts, sampler, sharding, tasks
 from sage_jax import logging as slog
 from sage_jax.rewards.pool import RewardPool
 
@@ -42,7 +42,7 @@ def model_config(config, vocab_size: int | None = None, base: model_lib.ModelCon
             sizes["head_dim"] = sizes.get("hidden_size", base.hidden_size) // sizes.get("num_heads", base.num_heads)
         base = base.replace(**sizes)
     return base.replace(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat,
-                        scan_layers=m.scan_layers, logits_chunk=m.logits_chunk)
+                        scan_layers=m.scan_layers, logits_chunk=m.logits_chunk, attention=m.attention)
 
 
 def load_or_init_params(config, mesh, rules, tokenizer=None, path: str | None = None):
@@ -264,7 +264,8 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
         tx, schedule = make_optimizer(optim, tr.steps * updates_per_step)
         state, shardings = create_state(params, tx, cfg, mesh, rules)
         del params
-        train_step = make_train_step(cfg, loss_cfg, tx, schedule, config.seed, optim.grad_accum, shardings)
+        train_step = make_train_step(cfg, loss_cfg, tx, schedule, config.seed, optim.grad_accum, shardings,
+                                     loss_fn=packing.loss_fn if tr.packing else None)
 
         # restore
         ckpt = checkpoint.Checkpointer(os.path.join(workdir, "rl"), keep=tr.keep_ckpts)
@@ -296,21 +297,32 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
                 adv = objectives.group_advantages(jnp.asarray(ro["rewards"]), ro_cfg.group_size,
                                                   scale=loss_cfg.adv_scale, eps=loss_cfg.adv_eps,
                                                   ddof=loss_cfg.std_ddof, estimator=loss_cfg.adv_estimator)
-                batch = rollouts.build_batch(ro, np.asarray(adv), cfg.pad_token_id, ro_cfg.max_new_tokens)
+                slices = packing.slice_count(len(ro["lengths"]), ro_cfg.group_size,
+                                             mesh.shape["data"] * mesh.shape["fsdp"], optim.grad_accum,
+                                             optim.mini_batches) if tr.packing else 1
+                batch = rollouts.build_batch(ro, np.asarray(adv), cfg.pad_token_id, ro_cfg.max_new_tokens,
+                                             packed=tr.packing, slices=slices)
                 P = ro["prompt_tokens"].shape[1]
                 mine = sharding.local_rows(batch["tokens"].shape[0])  # this process feeds its share
                 dev = {k: sharding.global_batch(v[mine], mesh) for k, v in batch.items()}
                 no_grad = dict(prompt_len=P, temperature=loss_cfg.temperature, rows_per_pass=tr.logprob_rows)
-                dev["ref_logp"], _ = sequence_logprobs(ref_cfg, ref_params, dev["tokens"], dev["mask"], **no_grad)
+                packed = packing.is_packed(batch)
+                logprobs = ((lambda c, p: packing.sequence_logprobs(c, p, dev, temperature=loss_cfg.temperature))
+                            if packed else
+                            (lambda c, p: sequence_logprobs(c, p, dev["tokens"], dev["mask"], **no_grad)))
+                dev["ref_logp"], _ = logprobs(ref_cfg, ref_params)
                 if updates_per_step > 1 or loss_cfg.kl_in_reward:
-                    dev["old_logp"], old_ent = sequence_logprobs(cfg, state["params"], dev["tokens"], dev["mask"],
-                                                                 **no_grad)
+                    dev["old_logp"], old_ent = logprobs(cfg, state["params"])
                 if loss_cfg.kl_in_reward:
-                    dev["advantages"] = _advantages_with_kl_penalty(ro, dev, old_ent, loss_cfg, rl_step, config)
+                    view = packing.row_view if packed else (lambda a: a)  # the penalty needs rows [N, C]
+                    rows = {k: view(dev[k]) for k in ("completion_mask", "old_logp", "ref_logp")}
+                    adv = _advantages_with_kl_penalty(ro, rows, view(old_ent), loss_cfg, rl_step, config)
+                    dev["advantages"] = adv.reshape(dev["advantages"].shape)
                 dev["rl_step"] = np.int32(rl_step)
                 t1 = time.perf_counter()
                 for _ in range(optim.num_iterations):
-                    for mb in _mini_batches(dev, optim.mini_batches, ro_cfg.group_size, rl_step):
+                    # packed: the rows are slices of whole groups
+                    for mb in _mini_batches(dev, optim.mini_batches, 1 if packed else ro_cfg.group_size, rl_step):
                         state, metrics = train_step(state, mb)
                 host = {**stats, "rl/reward": float(ro["rewards"].mean()), "rl/accuracy": float(ro["correct"].mean()),
                         "rl/truncated": float((~ro["finished"]).mean()),
@@ -319,7 +331,8 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
                 previous = late.push(rl_step, metrics)
                 step_time = time.perf_counter() - t0
                 host.update({"time/update_s": time.perf_counter() - t1, "time/step_s": step_time,
-                             "perf/tokens_per_s": float(batch["mask"].sum()) / step_time})
+                             "perf/tokens_per_s": packing.num_tokens(batch) / step_time,
+                             "perf/padded_frac": packing.padded_fraction(batch)})
                 if previous is not None:
                     _report(previous, logger, progress, last_good, workdir)
                 logger.log(rl_step, host)
