@@ -17,11 +17,13 @@ An accelerator kernel asked for on a backend (or dtype) that lacks it falls back
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import jax
 import jax.numpy as jnp
 
+log = logging.getLogger("sage_jax")
 IMPLEMENTATIONS = ("auto", "naive", "blockwise", "cudnn", "splash")
 AUTO_NAIVE_MAX_LEN = 1024
 _MASKED = -1e30  # finite: a tile with no allowed key must not turn the running max into -inf (exp(-inf + inf))
@@ -240,10 +242,12 @@ def resolve(impl: str, seq_len: int, compute_dtype) -> str:
 def attend(impl: str, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block: int = 512) -> jax.Array:
     """Causal attention within segments (module docstring) by the implementation `impl` resolves to."""
     impl = resolve(impl, q_BxTxNxH.shape[1], q_BxTxNxH.dtype)
+    args = (q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT)
     if impl == "naive":
-        return naive(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT)
-    if impl == "cudnn":
-        return cudnn(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT)
-    if impl == "splash":
-        return splash(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block)
-    return blockwise(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block)
+        return naive(*args)
+    if impl in ("cudnn", "splash"):
+        try:  # the kernels check shapes, dtypes and library versions while tracing: fall back rather than fail
+            return cudnn(*args) if impl == "cudnn" else splash(*args, block)
+        except (ValueError, NotImplementedError, RuntimeError) as e:
+            log.warning("model.attention=%r cannot run these shapes (%s); using 'blockwise'", impl, e)
+    return blockwise(*args, block)

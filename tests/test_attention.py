@@ -118,3 +118,15 @@ def test_splash_interpret_under_a_mesh_matches_naive():
         got = jax.jit(lambda *a: attention.splash(*a, block=128, interpret=True))(q, k, v, seg)
     real = (seg > 0)[:, :, None, None]
     np.testing.assert_allclose(np.where(real, got, 0), np.where(real, attention.naive(q, k, v, seg), 0), atol=1e-4)
+
+
+def test_a_kernel_that_cannot_trace_falls_back_to_blockwise(monkeypatch):
+    monkeypatch.setattr(attention, "resolve", lambda impl, *_: impl)  # pretend we are on the accelerator
+
+    def unsupported(*_):
+        raise NotImplementedError("no such kernel here")
+    monkeypatch.setattr(attention, "cudnn", unsupported)
+    q, k, v = _qkv()
+    seg = _segments()
+    np.testing.assert_allclose(attention.attend("cudnn", q, k, v, seg, block=16),
+                               attention.blockwise(q, k, v, seg, block=16), atol=1e-6)
