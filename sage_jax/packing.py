@@ -170,6 +170,20 @@ def sequence_logprobs(cfg: model_lib.ModelConfig, params, batch: Mapping[str, ja
     return logp.reshape(S, n, C), ent.reshape(S, n, C)
 
 
+def sequence_logprobs_in_passes(cfg: model_lib.ModelConfig, params, batch: Mapping[str, jax.Array], *,
+                                temperature: float, rows_per_pass: int = 0):
+    """sequence_logprobs over whole slices at a time, about rows_per_pass padded rows' worth per pass (0: all at
+    once): bounds the activations of a no-grad pass as trainer.sequence_logprobs does for padded rows."""
+    S, n, _ = batch["gather"].shape
+    arrays = {k: batch[k] for k in (*PACKED_KEYS, "gather")}
+    per = max(1, rows_per_pass // n) if rows_per_pass else S
+    if per >= S:
+        return sequence_logprobs(cfg, params, arrays, temperature=temperature)
+    outs = [sequence_logprobs(cfg, params, {k: v[i:i + per] for k, v in arrays.items()}, temperature=temperature)
+            for i in range(0, S, per)]
+    return tuple(jnp.concatenate(parts) for parts in zip(*outs))
+
+
 def loss_fn(params, batch: Mapping[str, jax.Array], model_cfg: model_lib.ModelConfig,
             loss_cfg: objectives.LossConfig, step: jax.Array | int = 0, key: jax.Array | None = None):
     """objectives.loss_fn for a packed batch (the same loss and metrics as on the padded batch it was packed from);

@@ -307,7 +307,8 @@ def run_rl(config, workdir: str, params_override=None) -> dict[str, Any]:
                 dev = {k: sharding.global_batch(v[mine], mesh) for k, v in batch.items()}
                 no_grad = dict(prompt_len=P, temperature=loss_cfg.temperature, rows_per_pass=tr.logprob_rows)
                 packed = packing.is_packed(batch)
-                logprobs = ((lambda c, p: packing.sequence_logprobs(c, p, dev, temperature=loss_cfg.temperature))
+                logprobs = ((lambda c, p: packing.sequence_logprobs_in_passes(
+                                c, p, dev, temperature=loss_cfg.temperature, rows_per_pass=tr.logprob_rows))
                             if packed else
                             (lambda c, p: sequence_logprobs(c, p, dev["tokens"], dev["mask"], **no_grad)))
                 dev["ref_logp"], _ = logprobs(ref_cfg, ref_params)

@@ -103,3 +103,11 @@ def test_equal_lengths_pack_one_per_row():
              "completion_mask": np.ones((N, 24), np.float32)}
     packed = packing.pack(batch)
     assert packed["tokens"].shape == (1, N, T) and packing.padded_fraction(packed) == 0.0
+
+
+def test_no_grad_pass_in_slices_equals_one_pass(params):
+    packed = jax.tree.map(jnp.asarray, packing.pack(_padded_batch(), slices=4))
+    whole = packing.sequence_logprobs(CFG, params, packed, temperature=1.0)
+    parts = packing.sequence_logprobs_in_passes(CFG, params, packed, temperature=1.0, rows_per_pass=4)
+    for a, b in zip(parts, whole):
+        np.testing.assert_allclose(a, b, atol=1e-6)
