@@ -5,6 +5,7 @@
   python -m sage_jax.bench_train flags --preset small --batch 16                  # XLA_FLAGS sets, a process each
   python -m sage_jax.bench_train matmul                                           # the peak: jitted square matmuls
   python -m sage_jax.bench_train rl_step --preset small                           # vs trl.GRPOTrainer, same weights
+  python -m sage_jax.bench_train rl_step --preset small --new-tokens 512 --workload longtail --layout both
   python -m sage_jax.bench_train memory                                           # chunked vs naive log-probs
   python -m sage_jax.bench_train scaling --plot docs/perf_scaling.png
 
