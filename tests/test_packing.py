@@ -74,7 +74,8 @@ def test_packed_train_step_runs_with_grad_accum(params):
     tx, schedule = trainer.make_optimizer(bench_train.OPTIM, 10)
     step = trainer.make_train_step(CFG, LOSS, tx, schedule, seed=0, grad_accum=2, loss_fn=packing.loss_fn)
     packed = packing.pack(_padded_batch(), slices=2)
-    state, metrics = step(trainer.init_state(params, tx), dict(packed, rl_step=np.int32(0)))
+    state = trainer.init_state(jax.tree.map(jnp.copy, params), tx)  # the step donates it
+    state, metrics = step(state, dict(packed, rl_step=np.int32(0)))
     assert np.isfinite(float(metrics["loss/total"])) and int(state["step"]) == 1
 
 
