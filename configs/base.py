@@ -19,7 +19,9 @@ def get_config(arg=None):
     c.model = ml_collections.ConfigDict(dict(
         path="", preset="", vocab_size=0, hidden_size=0, num_layers=0, num_heads=0, num_kv_heads=0,
         intermediate_size=0, param_dtype="float32", compute_dtype="bfloat16", remat=False, scan_layers=True,
-        logits_chunk=512, ref_dtype="bfloat16"))
+        logits_chunk=512, ref_dtype="bfloat16",
+        # training / no-grad attention: auto | naive | blockwise | cudnn | splash (sage_jax/attention.py)
+        attention="auto"))
     # LoRA (rank 0 = full fine-tuning): only the adapters train; the frozen base is also the reference policy.
     # targets are HF module names (PEFT's target_modules); init_from is a PEFT adapter directory to continue from.
     c.model.lora = ml_collections.ConfigDict(dict(
@@ -53,6 +55,7 @@ def get_config(arg=None):
     c.train = ml_collections.ConfigDict(dict(
         steps=1000, ckpt_every=50, keep_ckpts=3, eval_every=100, sample_every=10, export_hf=True,
         reward="math", reward_workers=8, reward_timeout=10.0, logprob_rows=64,
+        packing=True,  # reference / old-policy passes and updates on packed rows (sage_jax/packing.py)
         dynamic_sampling=False, max_resample=3, overlong_buffer=0, overlong_penalty=1.0,
         use_tensorboard=True, use_wandb=False, progress=True))
 

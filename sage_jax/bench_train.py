@@ -5,6 +5,7 @@
   python -m sage_jax.bench_train flags --preset small --batch 16                  # XLA_FLAGS sets, a process each
   python -m sage_jax.bench_train matmul                                           # the peak: jitted square matmuls
   python -m sage_jax.bench_train rl_step --preset small                           # vs trl.GRPOTrainer, same weights
+  python -m sage_jax.bench_train rl_step --preset small --new-tokens 512 --workload longtail --layout both
   python -m sage_jax.bench_train memory                                           # chunked vs naive log-probs
   python -m sage_jax.bench_train scaling --plot docs/perf_scaling.png
 
@@ -19,6 +20,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from sage_jax import guides, model, objectives, rollouts, sampler, train_state
+from sage_jax import guides, model, objectives, packing, rollouts, sampler, train_state
 
 MODES: dict[str, Callable[[argparse.Namespace], list[dict]]] = {}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -47,6 +49,7 @@ ABLATIONS = {  # variant -> ModelConfig overrides; "rows" scales the batch inste
     "chunk_2048": {"logits_chunk": 2048}, "bf16_compute": {"compute_dtype": "bfloat16"}, "rows_x0.25": {"rows": 0.25},
     "rows_x0.5": {"rows": 0.5},
 }
+EOS_ID = 1  # word_level_tokenizer's "<eos>": the token both sides end a forced-length completion with
 FLAG_SETS = {"default": "", "onednn": "--xla_cpu_use_onednn=true", "xnnpack": "--xla_cpu_use_xnnpack=true",
              "eigen_1_thread": "--xla_cpu_multi_thread_eigen=false"}
 
@@ -295,13 +298,47 @@ def trl_ids_reward(completions, completion_ids, **_) -> list[float]:
     return [ids_reward(ids) for ids in completion_ids]
 
 
-def _sage_rl_runner(cfg: model.ModelConfig, params, prompts_BxP: np.ndarray, group: int, new_tokens: int,
-                    beta: float, seed: int = 0) -> Callable[[], dict[str, float]]:
+def long_tail_lengths(rows: int, max_len: int, seed: int = 0, sigma: float = 1.0) -> np.ndarray:
+    """Completion lengths (generated tokens, the EOS included) for the `longtail` workload: the quantiles of a
+    log-normal with median max_len / 5, capped at max_len (sigma 1 puts 5.4% of rows at the cap), in a seeded
+    order, at least 2% of rows (and one) at the cap. Quantiles rather than draws, so every run and both sides see
+    exactly this distribution."""
+    import statistics as st
+    z = np.array([st.NormalDist().inv_cdf((k + 0.5) / rows) for k in range(rows)])
+    lengths = np.clip(np.round(max_len / 5 * np.exp(sigma * z)), 1, max_len).astype(np.int32)
+    lengths[-max(1, math.ceil(0.02 * rows)):] = max_len
+    return np.random.default_rng(seed).permutation(lengths)
+
+
+def workload_lengths(workload: str, rows: int, new_tokens: int, seed: int = 0) -> np.ndarray:
+    if workload == "fixed":
+        return np.full(rows, new_tokens, np.int32)
+    if workload == "longtail":
+        return long_tail_lengths(rows, new_tokens, seed)
+    raise ValueError(f"--workload {workload!r}: choose 'fixed' or 'longtail'")
+
+
+def _forced_rollout(out, lengths_N: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
+    """A rollout dict (rollouts.build_batch input) from a sample of max_new_tokens, cut to the forced lengths: row n
+    ends with EOS at lengths[n] - 1 unless it runs to the limit (truncated)."""
+    N, C = out.tokens.shape
+    finished = lengths_N < C
+    tokens = np.where(np.arange(C)[None] < lengths_N[:, None], out.tokens, 0)
+    tokens[np.flatnonzero(finished), lengths_N[finished] - 1] = eos_id
+    return dict(prompt_tokens=out.prompt_tokens, prompt_mask=out.prompt_mask, tokens=tokens, lengths=lengths_N,
+                finished=finished, sampler_logp=np.where(tokens > 0, out.logprobs, 0.0))
+
+
+def _sage_rl_runner(cfg: model.ModelConfig, params, prompts_BxP: np.ndarray, group: int, lengths_N: np.ndarray,
+                    beta: float, seed: int = 0, packed: bool = True) -> Callable[[], dict[str, float]]:
     """run() does one RL step as trainer.run_rl does (sample -> reward -> advantages -> reference log-probs ->
-    one update) with `new_tokens` forced (no EOS), and returns its seconds per phase."""
+    one update), completions forced to lengths_N (EOS at the end unless at the limit), and returns its seconds per
+    phase. packed: the reference pass and the update on packed rows (packing.py), else on padded rows."""
     loss_cfg = dataclasses.replace(SAGE_LOSS, beta=beta)
-    B, P = prompts_BxP.shape
-    tx, train_step = compiled_train_step(cfg, loss_cfg, B * group, sampler.prompt_bucket(P), new_tokens, seed)
+    new_tokens = int(lengths_N.max())
+    tx, schedule = train_state.make_optimizer(OPTIM, 1000)
+    train_step = train_state.make_train_step(cfg, loss_cfg, tx, schedule, seed,
+                                         loss_fn=packing.loss_fn if packed else None)
     ref_params = jax.tree.map(jnp.copy, params)
     box = {"state": train_state.init_state(jax.tree.map(jnp.copy, params), tx), "step": 0}
     prompts = prompts_BxP.tolist()
@@ -311,23 +348,25 @@ def _sage_rl_runner(cfg: model.ModelConfig, params, prompts_BxP: np.ndarray, gro
         box["step"] += 1
         out = jax.device_get(sampler.generate(cfg, box["state"]["params"], prompts, new_tokens, temperature=1.0,
                                               eos_ids=(), seed=seed + i, num_samples=group))
+        ro = _forced_rollout(out, lengths_N, EOS_ID)
         t.append(time.perf_counter())
-        rewards_N = np.array([ids_reward(row[:n]) for row, n in zip(out.tokens, out.lengths)], np.float32)
+        rewards_N = np.array([ids_reward(row[:n]) for row, n in zip(ro["tokens"], ro["lengths"])], np.float32)
         t.append(time.perf_counter())
         adv_N = objectives.group_advantages(rewards_N, group, scale=loss_cfg.adv_scale)
-        ro = dict(prompt_tokens=out.prompt_tokens, prompt_mask=out.prompt_mask, tokens=out.tokens,
-                  lengths=out.lengths, finished=out.finished, sampler_logp=out.logprobs)
-        batch = rollouts.build_batch(ro, np.asarray(adv_N), cfg.pad_token_id, new_tokens)
-        batch["ref_logp"], _ = train_state.sequence_logprobs(cfg, ref_params, batch["tokens"], batch["mask"],
-                                                         prompt_len=out.prompt_tokens.shape[1],  # the prompt bucket
-                                                         temperature=loss_cfg.temperature)
+        batch = rollouts.build_batch(ro, np.asarray(adv_N), cfg.pad_token_id, new_tokens, packed=packed)
+        if packing.is_packed(batch):
+            batch["ref_logp"], _ = packing.sequence_logprobs(cfg, ref_params, batch, temperature=loss_cfg.temperature)
+        else:
+            batch["ref_logp"], _ = train_state.sequence_logprobs(cfg, ref_params, batch["tokens"], batch["mask"],
+                                                                 prompt_len=out.prompt_tokens.shape[1],  # the bucket
+                                                                 temperature=loss_cfg.temperature)
         jax.block_until_ready(batch["ref_logp"])
         t.append(time.perf_counter())
         box["state"], metrics = train_step(box["state"], dict(batch, rl_step=np.int32(i)))
         jax.block_until_ready(metrics)
         t.append(time.perf_counter())
         return dict(seconds=t[4] - t[0], generate_s=t[1] - t[0], reward_s=t[2] - t[1], ref_s=t[3] - t[2],
-                    update_s=t[4] - t[3])
+                    update_s=t[4] - t[3], padded_frac=packing.padded_fraction(batch))
     return run
 
 
@@ -345,9 +384,42 @@ def word_level_tokenizer(vocab_size: int):
     return fast
 
 
-def _trl_interleaved(model_dir: str, vocab_size: int, prompts_BxP: np.ndarray, group: int, new_tokens: int,
-                     beta: float, steps: int, between: Callable[[], None], seed: int = 0) -> list[dict[str, float]]:
+def _force_lengths_in_generate(hf_model, lengths_N: np.ndarray | None, eos_id: int, realised: list) -> None:
+    """Make hf_model.generate end row n with EOS at step lengths[n] - 1 (never earlier), as _forced_rollout does
+    (lengths_N None: as it is); appends each call's completion lengths (the EOS included) to `realised`."""
+    import torch
+    import transformers
+
+    class ForcedLengths(transformers.LogitsProcessor):
+        def __init__(self, prompt_width):
+            self.prompt_width = prompt_width
+
+        def __call__(self, input_ids, scores):
+            step = input_ids.shape[1] - self.prompt_width
+            stop = torch.as_tensor(lengths_N - 1 == step)
+            scores[:, eos_id] = -float("inf")
+            scores[stop] = torch.where(torch.arange(scores.shape[1]) == eos_id, 0.0, -float("inf"))
+            return scores
+
+    generate = hf_model.generate
+
+    def forced(*args, **kw):
+        width = kw["input_ids"].shape[1]
+        if lengths_N is not None:
+            kw["logits_processor"] = transformers.LogitsProcessorList([ForcedLengths(width)])
+        out = generate(*args, **kw)
+        is_eos = (out[:, width:] == eos_id).numpy()
+        realised.append(np.where(is_eos.any(1), is_eos.argmax(1) + 1, is_eos.shape[1]))
+        return out
+    hf_model.generate = forced
+
+
+def _trl_interleaved(model_dir: str, vocab_size: int, prompts_BxP: np.ndarray, group: int, lengths_N: np.ndarray,
+                     beta: float, steps: int, between: Callable[[], None], seed: int = 0,
+                     realised: list | None = None) -> list[dict[str, float]]:
     """`steps` trl.GRPOTrainer steps on model_dir (8 prompts x G per step when B = 8); between() runs after each.
+    Completion n of a step has lengths_N[n] tokens (min_new_tokens when all are equal, else a logits processor);
+    the lengths TRL generated are appended to `realised`.
 
     Per step: seconds from on_step_begin to on_step_end (the whole step: generate, reward, reference log-probs,
     update) and the time inside `_generate` and `_generate_and_score_completions` (what remains is the update)."""
@@ -358,11 +430,13 @@ def _trl_interleaved(model_dir: str, vocab_size: int, prompts_BxP: np.ndarray, g
 
     torch.set_num_threads(os.cpu_count() or 1)
     B = prompts_BxP.shape[0]
+    new_tokens, fixed = int(lengths_N.max()), bool(np.all(lengths_N == lengths_N.max()))
     texts = [" ".join(f"t{i}" for i in row) for row in prompts_BxP]
     with tempfile.TemporaryDirectory() as out_dir:
         args = trl.GRPOConfig(
             output_dir=out_dir, per_device_train_batch_size=B * group, num_generations=group,
-            max_completion_length=new_tokens, generation_kwargs={"min_new_tokens": new_tokens}, beta=beta,
+            max_completion_length=new_tokens, generation_kwargs={"min_new_tokens": new_tokens} if fixed else {},
+            beta=beta,
             num_iterations=1, loss_type="grpo", use_vllm=False, report_to="none", bf16=False, use_cpu=True,
             max_steps=steps, learning_rate=OPTIM.lr, weight_decay=OPTIM.weight_decay, max_grad_norm=OPTIM.grad_clip,
             logging_steps=1, save_strategy="no", shuffle_dataset=False, disable_tqdm=True, seed=seed)
@@ -383,6 +457,8 @@ def _trl_interleaved(model_dir: str, vocab_size: int, prompts_BxP: np.ndarray, g
         gen = trl.GRPOTrainer(model=model_dir, reward_funcs=trl_ids_reward, args=args,
                               train_dataset=datasets.Dataset.from_dict({"prompt": texts * steps}),
                               processing_class=word_level_tokenizer(vocab_size), callbacks=[Interleave()])
+        _force_lengths_in_generate(gen.model, None if fixed else lengths_N, EOS_ID,
+                                   [] if realised is None else realised)
 
         def timed(key: str, fn: Callable) -> Callable:
             def wrapper(*a, **kw):
@@ -398,59 +474,80 @@ def _trl_interleaved(model_dir: str, vocab_size: int, prompts_BxP: np.ndarray, g
     return rows
 
 
+def _quantiles(lengths) -> dict[str, float]:
+    q = np.quantile(np.asarray(lengths), [0.1, 0.5, 0.9, 1.0])
+    return dict(len_p10=q[0], len_p50=q[1], len_p90=q[2], len_max=q[3])
+
+
 def bench_rl_step(preset: str = "tiny", dtype: str = "fp32", prompts: int = 8, group: int = 8, prompt_len: int = 32,
-                  new_tokens: int = 128, beta: float = 0.05, repeats: int = 3, trl: bool = True,
-                  seed: int = 0) -> list[dict]:
-    """Completion tokens/s of one RL step, sage_jax vs TRL's GRPOTrainer (torch, CPU, fp32) on the same weights and
-    shapes; steps interleaved (ours runs after each TRL step), the first of each excluded as warm-up."""
+                  new_tokens: int = 128, beta: float = 0.05, repeats: int = 3, trl: bool = True, seed: int = 0,
+                  workload: str = "fixed", layouts: tuple[str, ...] = ("packed",)) -> list[dict]:
+    """Generated tokens/s (before EOS) of one RL step, sage_jax (each of `layouts`: the update on packed rows,
+    impl "sage_jax", or on padded rows, "sage_jax_padded") vs TRL's GRPOTrainer (torch, CPU, fp32) on the same weights, prompts and completion lengths (workload
+    "fixed": all new_tokens; "longtail": long_tail_lengths); steps interleaved (ours run after each TRL step), the
+    first of each excluded as warm-up."""
     cfg = preset_config(preset, dtype)
     params = jax.jit(model.init_params, static_argnums=0)(cfg, jax.random.key(seed))
     prompts_BxP = np.random.default_rng(seed).integers(2, cfg.vocab_size, (prompts, prompt_len))
-    ours = _sage_rl_runner(cfg, params, prompts_BxP, group, new_tokens, beta, seed)
+    lengths_N = workload_lengths(workload, prompts * group, new_tokens, seed)
+    ours = {"sage_jax" if layout == "packed" else "sage_jax_padded": _sage_rl_runner(cfg, params, prompts_BxP, group, lengths_N, beta, seed,
+                                                  packed=layout == "packed") for layout in layouts}
     peak_fn, peak_flops = matmul_peak_fn(dtype)
-    sage_rows: list[dict[str, float]] = []
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in ours}
     peak_s: list[float] = []
+    trl_lengths: list = []
 
-    def after_trl_step() -> None:  # our step, then the matmul peak under the same load
-        sage_rows.append(ours())
+    def after_trl_step() -> None:  # our steps, then the matmul peak under the same load
+        for name, run in ours.items():
+            runs[name].append(run())
         start = time.perf_counter()
         jax.block_until_ready(peak_fn())
         peak_s.append(time.perf_counter() - start)
 
+    load_before = os.getloadavg()[0]
     if trl:
         with tempfile.TemporaryDirectory() as model_dir:
             model.save_hf(model_dir, preset_config(preset, "fp32"), params)
-            trl_rows = _trl_interleaved(model_dir, cfg.vocab_size, prompts_BxP, group, new_tokens, beta,
-                                        repeats + 1, after_trl_step, seed)
+            runs["trl"] = _trl_interleaved(model_dir, cfg.vocab_size, prompts_BxP, group, lengths_N, beta,
+                                           repeats + 1, after_trl_step, seed, trl_lengths)
     else:
-        trl_rows = []
         for _ in range(repeats + 1):
             after_trl_step()
-    tokens = prompts * group * new_tokens
+    tokens = int((lengths_N - (lengths_N < new_tokens)).sum())  # generated tokens before EOS
     peak = peak_flops / statistics.median(peak_s[1:] or peak_s)
-    flops = rl_step_flops(cfg, prompts, group, prompt_len, new_tokens)
+    flops = rl_step_flops(cfg, prompts, group, prompt_len, new_tokens) if workload == "fixed" else None
     out = []
-    for impl, runs in (("sage_jax", sage_rows), ("trl", trl_rows)):
-        if not runs:
-            continue
-        runs = runs[1:] or runs  # drop the warm-up step (compilation, first-call set-up)
-        row = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-        out.append(dict(preset=preset, dtype=dtype if impl == "sage_jax" else "fp32", impl=impl, prompts=prompts,
-                        group=group, new_tokens=new_tokens, tokens_per_s=tokens / row["seconds"],
-                        model_gflops=flops / 1e9, gflops_per_s=flops / row["seconds"] / 1e9,
-                        peak_gflops_per_s=peak / 1e9, frac_of_peak=flops / row["seconds"] / peak,
-                        at_peak_s=flops / peak, **row))
-    if len(out) == 2:
-        out[0]["vs_trl"] = out[0]["tokens_per_s"] / out[1]["tokens_per_s"]
-        out[1]["ceiling_vs_trl"] = out[1]["seconds"] / out[1]["at_peak_s"]
-    print_table(out, [("preset", ""), ("dtype", ""), ("impl", ""), ("prompts", "d"), ("group", "d"),
-                      ("new_tokens", "d"), ("seconds", ".2f"), ("tokens_per_s", ".1f"), ("vs_trl", ".2f"),
-                      ("generate_s", ".2f"), ("reward_s", ".3f"), ("ref_s", ".2f"), ("reward_ref_s", ".2f"),
-                      ("update_s", ".2f"), ("gflops_per_s", ".1f"), ("peak_gflops_per_s", ".1f"),
-                      ("frac_of_peak", ".2f"), ("at_peak_s", ".2f"), ("ceiling_vs_trl", ".2f")])
-    print(f"at_peak_s: the step's model FLOPs ({flops / 1e9:.0f} GFLOP: sampling, reference forward, policy forward + "
-          "backward) at the jitted matmul peak timed after each step; ceiling_vs_trl: TRL's step over that, the most "
-          "any implementation at this machine's matmul peak could reach against it")
+    for impl, rs in runs.items():
+        rs = rs[1:] or rs  # drop the warm-up step (compilation, first-call set-up)
+        row = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        realised = trl_lengths[-1] if impl == "trl" and trl_lengths else lengths_N  # one step's rows
+        out.append(dict(preset=preset, dtype=dtype if impl != "trl" else "fp32", impl=impl, workload=workload,
+                        prompts=prompts, group=group, new_tokens=new_tokens, tokens_per_s=tokens / row["seconds"],
+                        **_quantiles(realised), **row))
+        if flops:
+            out[-1].update(model_gflops=flops / 1e9, gflops_per_s=flops / row["seconds"] / 1e9,
+                           peak_gflops_per_s=peak / 1e9, frac_of_peak=flops / row["seconds"] / peak,
+                           at_peak_s=flops / peak)
+    by = {r["impl"]: r for r in out}
+    for r in out:
+        if "trl" in by and r["impl"] != "trl":
+            r["vs_trl"] = r["tokens_per_s"] / by["trl"]["tokens_per_s"]
+        if r["impl"] == "sage_jax" and "sage_jax_padded" in by:
+            r["vs_padded"] = r["tokens_per_s"] / by["sage_jax_padded"]["tokens_per_s"]
+    if flops and "trl" in by:
+        by["trl"]["ceiling_vs_trl"] = by["trl"]["seconds"] / by["trl"]["at_peak_s"]
+    print_table(out, [("impl", ""), ("workload", ""), ("new_tokens", "d"), ("len_p50", ".0f"), ("len_p90", ".0f"),
+                      ("len_max", ".0f"), ("padded_frac", ".3f"), ("seconds", ".2f"), ("tokens_per_s", ".1f"),
+                      ("vs_trl", ".2f"), ("vs_padded", ".2f"), ("generate_s", ".2f"), ("reward_s", ".3f"),
+                      ("ref_s", ".2f"), ("reward_ref_s", ".2f"), ("update_s", ".2f"), ("frac_of_peak", ".2f"),
+                      ("at_peak_s", ".2f"), ("ceiling_vs_trl", ".2f")])
+    print(f"{preset} preset, {prompts} prompts x {group} samples; padded_frac: share of the positions the reference "
+          "pass and the update compute on that hold no token; tokens: generated before EOS; 1-min load average "
+          f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)")
+    if flops:
+        print(f"at_peak_s: the step's model FLOPs ({flops / 1e9:.0f} GFLOP: sampling, reference forward, policy "
+              "forward + backward) at the jitted matmul peak timed after each step; ceiling_vs_trl: TRL's step over "
+              "that, the most any implementation at this machine's matmul peak could reach against it")
     return out
 
 
@@ -466,9 +563,10 @@ def _rl_step_mode(args: argparse.Namespace) -> list[dict]:
     group = getattr(args, "group", 8)
     if args.batch % group:
         raise ValueError(f"--batch {args.batch} rows must be a multiple of --group {group} (rows = prompts x group)")
+    layouts = ("packed", "padded") if getattr(args, "layout", "packed") == "both" else (args.layout,)
     return [r for p in _presets(args.preset) for r in bench_rl_step(
         p, args.dtype, args.batch // group, group, args.prompt_len, args.new_tokens, repeats=args.repeats,
-        trl=not getattr(args, "no_trl", False))]
+        trl=not getattr(args, "no_trl", False), workload=getattr(args, "workload", "fixed"), layouts=layouts)]
 
 
 # --------------------------------------------------------------------------------------------------- memory
@@ -608,6 +706,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--no-trl", action="store_true", help="rl_step: our side only")
     parser.add_argument("--plot", default=None, help="scaling: write the two-panel PNG here")
     parser.add_argument("--sizes", default="1024,2048", help="matmul: square sizes")
+    parser.add_argument("--workload", default="fixed", choices=["fixed", "longtail"],
+                        help="rl_step: every completion --new-tokens long, or long-tailed lengths up to it")
+    parser.add_argument("--layout", default="packed", choices=["packed", "padded", "both"],
+                        help="rl_step: our reference pass and update on packed or padded rows")
     parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                         help="write the rows (and their ratios) as JSON to PATH (no PATH: one line on stdout)")
     args = parser.parse_args(argv)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from sage_jax import rope as rope_lib
+from sage_jax import attention as attention_lib
 from sage_jax.sharding import constrain
 
 Params = dict[str, Any]
@@ -47,6 +48,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+    attention: str = "auto"  # training / no-grad attention: one of attention.IMPLEMENTATIONS
+    attention_block: int = 512  # the blockwise / splash tile
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -56,6 +59,9 @@ class ModelConfig:
         for name in ("param_dtype", "compute_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16", "float16"):
                 raise ValueError(f"{name}={getattr(self, name)!r}: use 'float32' or 'bfloat16'")
+        if self.attention not in attention_lib.IMPLEMENTATIONS:
+            raise ValueError(f"model.attention={self.attention!r} is unknown; choose one of "
+                             f"{attention_lib.IMPLEMENTATIONS}")
 
     @property
     def num_params(self) -> int:
@@ -165,18 +171,6 @@ def rope_frequencies(cfg: ModelConfig):
     return rope_lib.frequencies(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling), cfg.max_position_embeddings)
 
 
-def _attention(cfg: ModelConfig, q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, allowed_BxTxS) -> jax.Array:
-    B, T, N, H = q_BxTxNxH.shape
-    K = cfg.num_kv_heads
-    q = q_BxTxNxH.reshape(B, T, K, N // K, H)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k_BxSxKxH, preferred_element_type=jnp.float32)
-    scores = scores / math.sqrt(H)
-    scores = jnp.where(allowed_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxH.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH)
-    return out.reshape(B, T, N, H)
-
-
 DECODE_BLOCK = 64  # cache slots per step of the blocked decode attention
 
 
@@ -254,8 +248,10 @@ def _project(lp: Params, name: str, equation: str, x: jax.Array, cdt) -> jax.Arr
     return y + jnp.einsum(f"{lead}r,r{outer}->{y_letters}", down, adapter["b"].astype(cdt))
 
 
-def _block(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, allowed_BxTxS, kv_cache=None, cache_index=None):
-    """One decoder layer. With kv_cache=(k, v) [B,K,S,H], writes this step's keys at cache_index."""
+def _block(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, allowed_BxTxS, kv_cache=None, cache_index=None,
+           segment_ids_BxT=None):
+    """One decoder layer. With kv_cache=(k, v) [B,K,S,H], writes this step's keys at cache_index. Without a cache,
+    attention is within segment_ids (attention.attend, cfg.attention) when given, else under allowed_BxTxS."""
     cdt = jnp.dtype(cfg.compute_dtype)
     w = lambda name: lp[name].astype(cdt)
     h = rms_norm(x_BxTxD, lp["attn_norm"], cfg.rms_norm_eps)
@@ -273,8 +269,10 @@ def _block(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, allowed_BxTxS, 
         write = lambda c, x: jax.lax.dynamic_update_slice_in_dim(c, x.swapaxes(1, 2).astype(c.dtype), cache_index, 2)
         kv_cache = (write(kv_cache[0], k), write(kv_cache[1], v))
         attn = _cached_attention(q, kv_cache[0].astype(cdt), kv_cache[1].astype(cdt), allowed_BxTxS)
+    elif segment_ids_BxT is not None:
+        attn = attention_lib.attend(cfg.attention, q, k, v, segment_ids_BxT, cfg.attention_block)
     else:
-        attn = _attention(cfg, q, k, v, allowed_BxTxS)
+        attn = attention_lib.masked(q, k, v, allowed_BxTxS)
     x_BxTxD = x_BxTxD + _project(lp, "wo", "btnh,nhd->btd", attn, cdt)
     x_BxTxD = constrain(x_BxTxD, ("batch", "seq", "act_embed"))
     h = rms_norm(x_BxTxD, lp["mlp_norm"], cfg.rms_norm_eps)
@@ -297,18 +295,24 @@ def _embed(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array) -> jax.Array
 
 @functools.partial(jax.jit, static_argnums=0)
 def hidden(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None,
-           mask_BxT: jax.Array | None = None) -> jax.Array:
-    """Final-normed hidden states [B, T, D] (compute dtype)."""
+           mask_BxT: jax.Array | None = None, segment_ids_BxT: jax.Array | None = None) -> jax.Array:
+    """Final-normed hidden states [B, T, D] (compute dtype).
+
+    Rows are one sequence each (mask_BxT marks its tokens; positions count them) or, with segment_ids_BxT, several
+    packed sequences (ids 1, 2, ...; 0 is padding) that attend only within themselves, positions restarting at 0 in
+    each unless given.
+    """
     B, T = tokens_BxT.shape
-    mask_BxT = jnp.ones((B, T), jnp.bool_) if mask_BxT is None else mask_BxT.astype(jnp.bool_)
-    positions_BxT = default_positions(mask_BxT) if positions_BxT is None else positions_BxT
-    causal_TxT = jnp.tril(jnp.ones((T, T), jnp.bool_))
-    # A padded query row attends to itself only, so its softmax stays finite (its output is ignored).
-    allowed = (causal_TxT[None] & mask_BxT[:, None, :]) | jnp.eye(T, dtype=jnp.bool_)[None]
+    if segment_ids_BxT is None:
+        mask_BxT = jnp.ones((B, T), jnp.bool_) if mask_BxT is None else mask_BxT.astype(jnp.bool_)
+        positions_BxT = default_positions(mask_BxT) if positions_BxT is None else positions_BxT
+        segment_ids_BxT = mask_BxT.astype(jnp.int32)
+    elif positions_BxT is None:
+        positions_BxT = attention_lib.segment_positions(segment_ids_BxT)
     x = _embed(cfg, params, tokens_BxT)
 
     def layer(x, lp):
-        return _block(cfg, lp, x, positions_BxT, allowed)[0], None
+        return _block(cfg, lp, x, positions_BxT, None, segment_ids_BxT=segment_ids_BxT)[0], None
 
     # The backward recomputes what a layer does not keep: with remat, everything but the layer's input (least
     # memory); without, only the element-wise work, as the matmul outputs are kept. Keeping every intermediate
@@ -337,9 +341,10 @@ def logits_from_hidden(cfg: ModelConfig, params: Params, h_BxTxD: jax.Array) -> 
 
 @functools.partial(jax.jit, static_argnums=0)
 def forward(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None,
-            mask_BxT: jax.Array | None = None) -> jax.Array:
-    """tokens int32 [B, T] -> logits float32 [B, T, V]. Materialises all logits: use logprobs_and_entropy for RL."""
-    return logits_from_hidden(cfg, params, hidden(cfg, params, tokens_BxT, positions_BxT, mask_BxT))
+            mask_BxT: jax.Array | None = None, segment_ids_BxT: jax.Array | None = None) -> jax.Array:
+    """tokens int32 [B, T] -> logits float32 [B, T, V]. Materialises all logits: use logprobs_and_entropy for RL.
+    Masks, positions and packed segments as in hidden()."""
+    return logits_from_hidden(cfg, params, hidden(cfg, params, tokens_BxT, positions_BxT, mask_BxT, segment_ids_BxT))
 
 
 # --------------------------------------------------------------------------------------------------- log-probs
@@ -383,9 +388,10 @@ def logprobs_entropy_from_hidden(cfg: ModelConfig, params: Params, h_BxSxD: jax.
 def logprobs_and_entropy(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, targets_BxT: jax.Array,
                          positions_BxT: jax.Array | None = None, mask_BxT: jax.Array | None = None,
                          temperature: float = 1.0, start: int = 0, length: int | None = None,
-                         chunk: int | None = None):
-    """Per-position log p(targets[t] | tokens[:t+1]) and next-token entropy, for t in [start, start + length)."""
-    h = hidden(cfg, params, tokens_BxT, positions_BxT, mask_BxT)
+                         chunk: int | None = None, segment_ids_BxT: jax.Array | None = None):
+    """Per-position log p(targets[t] | tokens[:t+1]) and next-token entropy, for t in [start, start + length).
+    Masks, positions and packed segments as in hidden()."""
+    h = hidden(cfg, params, tokens_BxT, positions_BxT, mask_BxT, segment_ids_BxT)
     end = h.shape[1] if length is None else start + length
     return logprobs_entropy_from_hidden(cfg, params, h[:, start:end], targets_BxT[:, start:end], temperature, chunk)
 

@@ -13,6 +13,7 @@ pi_ref, so it needs no second sampler pass and no reference-model decoding.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping
 
 import jax
@@ -286,8 +287,9 @@ def with_batch_normaliser(batch: Mapping[str, jax.Array], loss_cfg: LossConfig) 
     if loss_cfg.aggregation != "token-mean":
         return dict(batch)
     mask_NxC = loss_mask(batch, loss_cfg)
-    n = mask_NxC.shape[0]
-    return {**batch, "tokens_per_row": jnp.full((n,), jnp.maximum(mask_NxC.sum(), 1.0) / n, jnp.float32)}
+    rows = mask_NxC.shape[:-1]  # [N], or [S, n] in packing's layout
+    n = math.prod(rows)
+    return {**batch, "tokens_per_row": jnp.full(rows, jnp.maximum(mask_NxC.sum(), 1.0) / n, jnp.float32)}
 
 
 def loss_from_logprobs(logp_NxC: jax.Array, entropy_NxC: jax.Array, batch: Mapping[str, jax.Array],

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sage_jax import sampler, sharding, tasks
+from sage_jax import packing, sampler, sharding, tasks
 from sage_jax.tokenizer import bucket_length
 
 COMPLETION_BUCKETS = tuple(32 * 2 ** i for i in range(12))
@@ -61,13 +61,19 @@ def overlong_penalty(lengths: np.ndarray, max_len: int, buffer: int, penalty: fl
     return (-penalty * over / buffer).astype(np.float32)
 
 
-def build_batch(ro: dict[str, Any], advantages: np.ndarray, pad_id: int, max_new_tokens: int) -> dict[str, np.ndarray]:
-    """Loss batch (objectives.loss_fn layout); completions trimmed to a length bucket to save compute."""
+def build_batch(ro: dict[str, Any], advantages: np.ndarray, pad_id: int, max_new_tokens: int, packed: bool = False,
+                slices: int = 1, rows_multiple: int = 1) -> dict[str, np.ndarray]:
+    """Loss batch (objectives.loss_fn layout); completions trimmed to a length bucket to save compute.
+
+    packed: several rows' real tokens per row instead (packing.pack: `slices` independent slices of whole rows,
+    for packing.loss_fn / packing.sequence_logprobs), so the model computes on real tokens only; kept padded where
+    that would not save much (packing.pack_if_smaller: equal lengths).
+    """
     C = min(bucket_length(int(ro["lengths"].max(initial=1)), COMPLETION_BUCKETS), max_new_tokens)
     comp = ro["tokens"][:, :C]
     comp_mask = np.arange(C)[None, :] < ro["lengths"][:, None]
     comp = np.where(comp_mask, comp, pad_id)
-    return {
+    batch = {
         "tokens": np.concatenate([ro["prompt_tokens"], comp], axis=1).astype(np.int32),
         "mask": np.concatenate([ro["prompt_mask"], comp_mask], axis=1).astype(np.int32),
         "completion_mask": comp_mask.astype(np.float32),
@@ -75,3 +81,4 @@ def build_batch(ro: dict[str, Any], advantages: np.ndarray, pad_id: int, max_new
         "sampler_logp": np.where(comp_mask, ro["sampler_logp"][:, :C], 0.0).astype(np.float32),
         "truncated": ~ro["finished"],
     }
+    return packing.pack_if_smaller(batch, slices, rows_multiple, pad_id) if packed else batch

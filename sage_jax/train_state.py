@@ -31,7 +31,7 @@ def model_config(config, vocab_size: int | None = None, base: model_lib.ModelCon
             sizes["head_dim"] = sizes.get("hidden_size", base.hidden_size) // sizes.get("num_heads", base.num_heads)
         base = base.replace(**sizes)
     return base.replace(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat,
-                        scan_layers=m.scan_layers, logits_chunk=m.logits_chunk)
+                        scan_layers=m.scan_layers, logits_chunk=m.logits_chunk, attention=m.attention)
 
 
 def load_or_init_params(config, mesh, rules, tokenizer=None, path: str | None = None):

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sage_jax import checkpoint, evaluation, guides, lora, objectives, rollouts, sharding, supervised, tasks
+from sage_jax import checkpoint, evaluation, guides, lora, objectives, packing, rollouts, sharding, supervised, tasks
 from sage_jax import config as config_lib
 from sage_jax import logging as slog
 from sage_jax import model as model_lib
@@ -49,6 +49,8 @@ class RLContext:
     mini_batches: int = 1
     logprob_rows: int = 0                # rows per no-grad log-prob pass (0: all at once)
     seed: int = 0
+    packing: bool = False                # passes and updates on packed rows (packing.py)
+    grad_accum: int = 1
     lora_cfg: lora.LoraConfig | None = None  # LoRA: the state trains adapters on the frozen `base`
     base: Any = None
 
@@ -72,34 +74,58 @@ def rl_step(ctx: RLContext, state, step: int, collect: CollectFn) -> StepOutput:
     lc = ctx.loss_cfg
     adv = objectives.group_advantages(jnp.asarray(ro["rewards"]), ctx.group_size, scale=lc.adv_scale,
                                       eps=lc.adv_eps, ddof=lc.std_ddof, estimator=lc.adv_estimator)
-    batch = rollouts.build_batch(ro, np.asarray(adv), ctx.cfg.pad_token_id, ctx.max_new_tokens)
+    batch = _loss_batch(ctx, ro, np.asarray(adv))
     mine = sharding.local_rows(batch["tokens"].shape[0])  # this process feeds its share
     dev = {k: sharding.global_batch(v[mine], ctx.mesh) for k, v in batch.items()}
-    no_grad = dict(prompt_len=ro["prompt_tokens"].shape[1], temperature=lc.temperature,
-                   rows_per_pass=ctx.logprob_rows)
-    dev["ref_logp"], _ = train_state.sequence_logprobs(ctx.ref_cfg, ctx.ref_params, dev["tokens"], dev["mask"],
-                                                       **no_grad)
+    packed = packing.is_packed(batch)
+    dev["ref_logp"], _ = _no_grad_logprobs(ctx, ctx.ref_cfg, ctx.ref_params, dev, ro, packed)
     sequence_kl = lc.kl_in_loss and lc.kl_estimator in objectives.SEQUENCE_ESTIMATORS
     if ctx.num_iterations * ctx.mini_batches > 1 or lc.kl_in_reward or sequence_kl:
-        dev["old_logp"], old_entropy = train_state.sequence_logprobs(ctx.cfg, ctx.policy(state["params"]),
-                                                                     dev["tokens"], dev["mask"], **no_grad)
-    if lc.kl_in_reward:
-        dev["advantages"] = _advantages_with_kl_penalty(ctx, ro, dev, old_entropy, step)
-    if sequence_kl:  # whole groups are needed here, before mini-batches and micro-batches split them
-        dev["seq_kl_coef"] = objectives.forward_kl_coefficients(
-            dev["old_logp"], dev["ref_logp"], _old_log_q(ctx, dev, old_entropy, step), dev["completion_mask"],
-            ctx.group_size)
+        dev["old_logp"], old_entropy = _no_grad_logprobs(ctx, ctx.cfg, ctx.policy(state["params"]), dev, ro, packed)
+        # the KL terms computed once per step need whole groups as rows [N, C], before the batch is split
+        view = packing.row_view if packed else (lambda a: a)
+        rows = {k: view(dev[k]) for k in ("completion_mask", "old_logp", "ref_logp")}
+        if lc.kl_in_reward:
+            dev["advantages"] = _advantages_with_kl_penalty(ctx, ro, rows, view(old_entropy), step).reshape(
+                dev["advantages"].shape)
+        if sequence_kl:
+            dev["seq_kl_coef"] = objectives.forward_kl_coefficients(
+                rows["old_logp"], rows["ref_logp"], _old_log_q(ctx, rows, view(old_entropy), step),
+                rows["completion_mask"], ctx.group_size).reshape(dev["advantages"].shape)
     dev["rl_step"] = np.int32(step)
     t1 = time.perf_counter()
     for _ in range(ctx.num_iterations):
-        for mb in _mini_batches(dev, ctx.mini_batches, ctx.group_size, step):
+        # packed rows are slices of whole groups
+        for mb in _mini_batches(dev, ctx.mini_batches, 1 if packed else ctx.group_size, step):
             state, metrics = ctx.train_step(state, mb, *(() if ctx.lora_cfg is None else (ctx.base,)))
     step_s = time.perf_counter() - t0
     host = {**stats, "rl/reward": float(ro["rewards"].mean()), "rl/accuracy": float(ro["correct"].mean()),
             "rl/truncated": float((~ro["finished"]).mean()), "rl/gen_len": float(ro["lengths"].mean()),
             "time/rollout_s": t_rollout, "time/update_s": time.perf_counter() - t1, "time/step_s": step_s,
-            "time/rl_step": step, "perf/tokens_per_s": float(batch["mask"].sum()) / step_s}
+            "time/rl_step": step, "perf/tokens_per_s": packing.num_tokens(batch) / step_s,
+            "perf/padded_frac": packing.padded_fraction(batch)}
     return StepOutput(state, metrics, host, ro)
+
+
+def _loss_batch(ctx: RLContext, ro, adv_N: np.ndarray) -> dict[str, np.ndarray]:
+    """The step's loss batch on the host: padded rows, or packed slices that split over devices x micro-batches x
+    mini-batches."""
+    if not ctx.packing:
+        return rollouts.build_batch(ro, adv_N, ctx.cfg.pad_token_id, ctx.max_new_tokens)
+    data_parallel = ctx.mesh.shape["data"] * ctx.mesh.shape["fsdp"]
+    slices = packing.slice_count(len(ro["lengths"]), ctx.group_size, data_parallel, ctx.grad_accum,
+                                 ctx.mini_batches)
+    return rollouts.build_batch(ro, adv_N, ctx.cfg.pad_token_id, ctx.max_new_tokens, packed=True, slices=slices)
+
+
+def _no_grad_logprobs(ctx: RLContext, cfg, params, dev, ro, packed: bool):
+    """(logp, entropy) of the batch's completion tokens under params, in the batch's layout."""
+    if packed:
+        return packing.sequence_logprobs_in_passes(cfg, params, dev, temperature=ctx.loss_cfg.temperature,
+                                                   rows_per_pass=ctx.logprob_rows)
+    return train_state.sequence_logprobs(cfg, params, dev["tokens"], dev["mask"],
+                                         prompt_len=ro["prompt_tokens"].shape[1],
+                                         temperature=ctx.loss_cfg.temperature, rows_per_pass=ctx.logprob_rows)
 
 
 def _mini_batches(dev, n_mb: int, group_size: int, rl_step: int):
@@ -201,11 +227,13 @@ def setup_rl(config, mesh, rules, tokenizer, params_override=None) -> tuple[RLCo
     tx, schedule = train_state.make_optimizer(optim, config.train.steps * optim.num_iterations * optim.mini_batches)
     state, shardings = train_state.create_state(params, tx, cfg, mesh, rules, trained_sh)
     step_fn = train_state.make_train_step(cfg, loss_cfg, tx, schedule, config.seed, optim.grad_accum, shardings,
+                                          loss_fn=packing.loss_fn if config.train.packing else None,
                                           lora_cfg=lora_cfg, base_shardings=base_sh)
     ctx = RLContext(cfg=cfg, ref_cfg=ref_cfg, ref_params=ref_params, loss_cfg=loss_cfg, train_step=step_fn,
                     mesh=mesh, group_size=config.rollout.group_size, max_new_tokens=config.rollout.max_new_tokens,
                     num_iterations=optim.num_iterations, mini_batches=optim.mini_batches,
-                    logprob_rows=config.train.logprob_rows, seed=config.seed, lora_cfg=lora_cfg, base=base)
+                    logprob_rows=config.train.logprob_rows, seed=config.seed, packing=config.train.packing,
+                    grad_accum=optim.grad_accum, lora_cfg=lora_cfg, base=base)
     return ctx, state
 
 

@@ -148,3 +148,23 @@ def test_bench_sampler_longtail_smoke(tmp_path):
         assert r["workload"] == "longtail" and r["tokens"] == lengths.sum() and r["len_max"] == 40
         assert r["len_p50"] == np.median(lengths) and _finite_positive([r], "tokens_per_s")
     assert rows[0]["vs_transformers"] == pytest.approx(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"])
+
+
+def test_long_tail_lengths_shape_the_workload():
+    lengths = bench_train.long_tail_lengths(64, 512, seed=3)
+    assert lengths.min() >= 1 and lengths.max() == 512 and (lengths == 512).mean() >= 0.02
+    assert 0.8 * 512 / 5 <= np.median(lengths) <= 1.2 * 512 / 5
+    np.testing.assert_array_equal(np.sort(lengths), np.sort(bench_train.long_tail_lengths(64, 512, seed=4)))
+
+
+def test_rl_step_longtail_packed_and_padded(tmp_path):
+    """Smoke run of `rl_step --workload longtail --layout both`: both layouts, less padding when packed, JSON out."""
+    path = tmp_path / "rl.json"
+    rows = bench_train.main(["rl_step", "--batch", "8", "--group", "4", "--prompt-len", "8", "--new-tokens", "40",
+                             "--repeats", "1", "--no-trl", "--workload", "longtail", "--layout", "both",
+                             "--json", str(path)])
+    by = {r["impl"]: r for r in rows}
+    assert set(by) == {"sage_jax", "sage_jax_padded"} and _finite_positive(rows, "tokens_per_s")
+    assert by["sage_jax"]["padded_frac"] < by["sage_jax_padded"]["padded_frac"]
+    assert by["sage_jax"]["len_max"] == 40 and by["sage_jax"]["vs_padded"] > 0
+    assert json.loads(path.read_text())["modes"]["rl_step"][0]["workload"] == "longtail"
