@@ -45,7 +45,9 @@ def get_config(arg=None):
         eps_low=0.2, eps_high=0.2, dual_clip=0.0, tis_cap=0.0,
         # norm_len: Dr.GRPO's constant divisor for seq-mean-token-sum-norm; 0 = rollout.max_new_tokens
         aggregation="seq-mean-token-mean", norm_len=0, mask_truncated=False,
-        adv_scale="group", adv_eps=1e-4, std_ddof=1, adv_estimator="grpo"))
+        adv_scale="group", adv_eps=1e-4, std_ddof=1, adv_estimator="grpo",
+        # peers' options (objectives.py): entropy bonus, TRL's top-entropy mask, verl's KL-Cov; all off
+        entropy_coef=0.0, top_entropy_quantile=1.0, kl_cov_ratio=0.0, kl_cov_coef=1.0))
 
     c.optim = ml_collections.ConfigDict(dict(
         lr=5e-6, schedule="constant", warmup_steps=0, weight_decay=0.01, grad_clip=1.0, b1=0.9, b2=0.999,
