@@ -63,7 +63,10 @@ BUDGETS: dict[str, dict[str, Any]] = {
              "rollout.group_size": 4, "rollout.max_new_tokens": 16,
              "train.steps": 2, "train.max_resample": 1, "eval.n": 8,
              "eval.problems": 2, "eval.max_new_tokens": 16, "experiment.seeds": 1, "experiment.ood_problems": 2,
-             "experiment.rows_per_call": 16, "experiment.sweep_gammas": (0.3, 1.0), "experiment.sweep_taus": (0.3,)},
+             "experiment.rows_per_call": 16, "experiment.sweep_gammas": (0.3, 1.0), "experiment.sweep_taus": (0.3,),
+             # the study's machinery in seconds: tau from the base's entropies, the cross on the paper-form Branch
+             "experiment.tau_quantile": 0.8, "experiment.sweep_arm": "grpo_branch_paper",
+             "experiment.sweep_design": "cross", "experiment.sweep_tau_quantiles": (0.5,)},
     # ~15 minutes: a shorter SFT and RL, 1 seed, 64 samples on 48 + 24 problems
     "quick": {"sft.steps": 500, "train.steps": 32, "eval.n": 64, "eval.problems": 48,
               "experiment.ood_problems": 24, "experiment.seeds": 1},
