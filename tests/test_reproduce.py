@@ -194,3 +194,31 @@ def test_claim_lets_one_process_run_a_directory(tmp_path):
     (tmp_path / "run" / "claim.pid").write_text("999999999")  # a process that is gone: a stale claim is taken over
     with reproduce.claim(run_dir) as stale:
         assert stale
+
+
+def test_regime_search_smoke_records_every_candidate_and_why(tmp_path):
+    from sage_jax.experiments import regime
+    out = tmp_path / "regime.md"
+    regime.main(["--out", str(out), "--work", str(tmp_path / "work"), "--tiny", "--seeds", "2",
+                 "--candidates", "round1,steps200_skew"])
+    text = out.read_text()
+    assert "| round1 |" in text and "| steps200_skew |" in text and ("Selected:" in text or "No candidate" in text)
+    found = json.loads((tmp_path / "regime.json").read_text())
+    assert set(found["candidates"]) == {"round1", "steps200_skew"}
+    for r in found["candidates"].values():
+        assert r["seeds"] == 2 and (r["reason"].startswith("kept") or r["reason"].startswith("dropped"))
+    # the skewed base is another base; the round-1 candidate keeps the study budget's
+    prints = {r["base_fingerprint"] for r in found["candidates"].values()}
+    assert len(prints) == 2
+
+
+def test_regime_verdicts():
+    from sage_jax.experiments import regime
+    base = {"countdown/pass@1": 0.30, "countdown/distinct": 1.5, "countdown/pass@8": 0.8}
+    run = lambda p1, d: {"countdown/pass@1": p1, "countdown/distinct": d, "countdown/pass@8": 0.8}
+    assert regime.verdict(base, [run(0.40, 1.2), run(0.41, 1.3), run(0.42, 1.1)], 8)["kept"]
+    assert not regime.verdict(base, [run(0.40, 1.2), run(0.42, 1.3)], 8)["kept"]  # 2 seeds: t_{0.975,1} = 12.7
+    assert "below 0.05" in regime.verdict(base, [run(0.31, 1.2), run(0.33, 1.3), run(0.32, 1.2)], 8)["reason"]
+    assert "includes 0" in regime.verdict(base, [run(0.20, 1.2), run(0.60, 1.3), run(0.40, 1.2)], 8)["reason"]
+    assert "no collapse" in regime.verdict(base, [run(0.40, 1.6), run(0.41, 1.7), run(0.42, 1.6)], 8)["reason"]
+    assert "one seed" in regime.verdict(base, [run(0.40, 1.2)], 8)["reason"]
