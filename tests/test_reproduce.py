@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from sage_jax.experiments import measure, reproduce, stats
+from sage_jax.experiments import measure, reproduce, stats, worklist
 from sage_jax.rewards import countdown
 
 GOLD = {"numbers": [3, 4, 2], "target": 10}  # solutions: 4*3-2 (sub) and 3*2+4 (add)
@@ -138,7 +138,7 @@ def test_tiny_experiment_renders_every_arm_and_resumes(tmp_path):
     assert len(results["aggregate"]["grpo"]["countdown/curve"][0]) == 8  # pass@k for k = 1..n
     # tau from the base's entropies: the cross through the paper-form arm's (gamma 0.3, tau) reuses its runs
     tau = results["meta"]["tau"]["tau"]
-    assert tau == reproduce.tau_at(json.loads((work / "tiny" / "base" / "record.json").read_text())["entropy"], 0.8)
+    assert tau == worklist.tau_at(json.loads((work / "tiny" / "base" / "record.json").read_text())["entropy"], 0.8)
     assert len(results["sweep"]) == 3 and f"gamma=0.3,tau={tau}" in results["sweep"]
     assert not (work / "tiny" / "sweep" / f"gamma0.3_tau{tau}").exists()
     for name in ("grpo_branch", "grpo_branch_paper"):  # Branch arms use the base-derived tau

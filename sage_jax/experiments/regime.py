@@ -22,7 +22,7 @@ import sys
 from typing import Any, Mapping, Sequence
 
 from sage_jax import config as config_lib, evaluation, tasks
-from sage_jax.experiments import reproduce
+from sage_jax.experiments import reproduce, worklist
 from sage_jax.experiments.stats import fmt, mean_ci, summarize_run
 
 MIN_GAIN = 0.05  # pass@1 over the base that counts as "GRPO clearly sharpens"
@@ -30,12 +30,12 @@ MIN_GAIN = 0.05  # pass@1 over the base that counts as "GRPO clearly sharpens"
 
 def candidate_config(name: str, budget: str, overrides: Sequence[str], seed: int = 0):
     """The grpo arm under `budget` with the candidate's settings (under `tiny`, only those tiny leaves alone)."""
-    mod = reproduce.arms_module()
+    mod = worklist.arms_module()
     settings, _ = mod.REGIME_CANDIDATES[name]
     if budget == "tiny":  # the smoke keeps tiny's sizes and step counts
         settings = {k: v for k, v in settings.items() if k not in mod.BUDGETS["tiny"]}
     flags = [f"{k}={v}" for k, v in settings.items()] + list(overrides)
-    return reproduce.load_config("grpo", budget, flags, seed=seed)
+    return worklist.load_config("grpo", budget, flags, seed=seed)
 
 
 def verdict(base: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], n: int) -> dict[str, Any]:
@@ -61,7 +61,7 @@ def verdict(base: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], n: int) 
 def search(names: Sequence[str], budget: str, seeds: int, overrides: Sequence[str], work: str,
            records: str | None, command: str) -> dict[str, Any]:
     """Runs (or resumes) every candidate's base and GRPO seeds; {name: verdict and settings}."""
-    mod = reproduce.arms_module()
+    mod = worklist.arms_module()
     work = os.path.join(work, budget, "regime")
     bases: dict[str, tuple[Any, dict[str, Any]]] = {}
     out = {}
@@ -78,7 +78,7 @@ def search(names: Sequence[str], budget: str, seeds: int, overrides: Sequence[st
             run_dir = os.path.join(work, name, f"seed{seed}")
             mirror = (os.path.join(records, budget, "regime", name, f"seed{seed}", "record.json") if records
                       else None)
-            job = reproduce.Job("regime", name, seed, candidate_config(name, budget, overrides, seed), run_dir,
+            job = worklist.Job("regime", name, seed, candidate_config(name, budget, overrides, seed), run_dir,
                                 f"regime {name} seed{seed}", mirror)
             record = reproduce.run_one(rl_task, job, params, command, base_record.get("params_checksum", ""))
             if record is not None:
@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--budget", choices=("tiny", "quick", "full", "study"), default="study")
     parser.add_argument("--tiny", action="store_true", help="the smoke: tiny budget, seconds")
     args = parser.parse_args(rest)
-    known = list(reproduce.arms_module().REGIME_CANDIDATES)
+    known = list(worklist.arms_module().REGIME_CANDIDATES)
     names = [c.strip() for c in args.candidates.split(",") if c.strip()] or known
     if unknown := [c for c in names if c not in known]:
         raise ValueError(f"--candidates: unknown {', '.join(unknown)}; choose from {', '.join(known)}")

@@ -159,6 +159,11 @@ def _caveats(config, seeds: int) -> str:
         "shaping is off (completions are ~10 tokens of a 24-token budget). Their logged train reward is over the "
         "kept (mixed-outcome) groups, so it reads higher than the other arms' and is not comparable with them.",
         "- BNPO here is its token-mean loss aggregation (no beta-normalised advantages).",
+        "- KL-Cov penalises |log pi - log pi_old|, which has no gradient on a batch's first (on-policy) update: with "
+        f"{config.optim.num_iterations * config.optim.mini_batches} update(s) per batch here it "
+        + ("cannot act (Guide activity marks it)." if config.optim.num_iterations * config.optim.mini_batches == 1
+           else "acts from the second update on."),
+        "- The top-entropy quantile and KL-Cov's covariance are over the rows of one loss call (one micro-batch).",
         "- The trainer draws countdown problems from config.seed; until config.data has its own seed, every run "
         "here reuses the base's problem sets (see reproduce.run_experiment), so seeds change RL randomness only."])
 
@@ -171,4 +176,8 @@ def _commands(command: str, records) -> list[str]:
                 "python -m sage_jax.experiments.reproduce --out docs/results --quick  # 1 seed, short SFT and RL",
                 "python -m sage_jax.experiments.reproduce --out DIR                  # full: 3 seeds, 80 RL steps",
                 "python -m sage_jax.experiments.reproduce --out DIR --sweep          # + Branch gamma x tau grid",
-                "python -m sage_jax.experiments.reproduce --out DIR --report-only    # render what has finished"]
+                "python -m sage_jax.experiments.reproduce --out DIR --report-only    # render what has finished",
+                "# round 2: the GRPO-only regime search, then the study (SEEDS_PER_ARM, records kept for later sessions)",
+                "python -m sage_jax.experiments.regime --out docs/results/regime.md --records docs/results/runs",
+                "python -m sage_jax.experiments.reproduce --budget study --arms STUDY --sweep --out docs/results "
+                "--records docs/results/runs"]
