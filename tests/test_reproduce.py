@@ -52,13 +52,15 @@ def test_t_distribution_holm_and_minimum_detectable_effect():
 def test_report_flags_a_guide_that_did_not_act():
     from sage_jax.experiments import report
     runs = lambda qs: {s: {"train/q_mean": q, "train/q_p90": q, "train/q_active": 0.1} for s, q in enumerate(qs)}
-    per_seed = {"idle": runs([1.004, 1.006]), "live": runs([1.05, 1.08]), "plain": runs([1.0, 1.0])}
+    per_seed = {"idle": runs([1.004, 1.006]), "live": runs([1.05, 1.08]), "plain": runs([1.0, 1.0]),
+                "noise": runs([1.0, 1.001])}
     results = {"per_seed": per_seed, "aggregate": {a: stats.aggregate(list(r.values())) for a, r in per_seed.items()},
                "meta": {"arm_configs": {"idle": {"guide": "branch"}, "live": {"guide": "branch"},
-                                        "plain": {"guide": "none"}}}}
+                                        "plain": {"guide": "none"}, "noise": {"guide": "random"}}}}
     activity = report.guide_activity(results)
-    assert set(activity) == {"idle", "live"}
+    assert set(activity) == {"idle", "live", "noise"}
     assert activity["idle"]["acted"] is False and activity["live"]["acted"] is True
+    assert activity["noise"]["acted"] is None  # zero-mean noise: q_mean ~ 1 says nothing
     assert activity["idle"]["idle_seeds"] == [0, 1]
     table = report._activity_table(results)
     assert "| idle |" in table and "**did not act**" in table.split("| live |")[0]

@@ -167,11 +167,13 @@ def _pairs_tables(results: Mapping[str, Any], splits: Sequence[str], n: int) -> 
 
 
 def guide_activity(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per guided arm: q statistics over training (mean over seeds) and whether the guide acted at all."""
+    """Per guided arm: q statistics over training (mean over seeds) and, for Branch, whether it acted at all (None
+    for the noise guides, whose q_mean is 1 by design)."""
     configs = results["meta"].get("arm_configs", {})
     out = {}
     for arm, runs in results["per_seed"].items():
-        if configs.get(arm, {}).get("guide", "none") == "none":
+        guide = configs.get(arm, {}).get("guide", "none")
+        if guide == "none":
             continue
         q = [r.get("train/q_mean", math.nan) for r in runs.values()]
         idle = [s for s, r in runs.items() if abs(r.get("train/q_mean", 1.0) - 1.0) < ACTED_TOL]
@@ -180,7 +182,7 @@ def guide_activity(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
                     "q_p90": agg.get("train/q_p90", (math.nan, math.nan)),
                     "q_active": agg.get("train/q_active", (math.nan, math.nan)),
                     "q_mean_max": max(q) if q else math.nan, "idle_seeds": idle,
-                    "acted": bool(q) and abs(float(np.nanmean(q)) - 1.0) >= ACTED_TOL}
+                    "acted": (bool(q) and abs(float(np.nanmean(q)) - 1.0) >= ACTED_TOL) if guide == "branch" else None}
     return out
 
 
@@ -189,8 +191,8 @@ def _activity_table(results: Mapping[str, Any]) -> str:
     for arm, a in guide_activity(results).items():
         per_run = ", ".join(f"{results['per_seed'][arm][s].get('train/q_mean', math.nan):.3f}"
                             for s in sorted(results["per_seed"][arm]))
-        rows.append([arm, fmt(*a["q_mean"]), fmt(*a["q_p90"]), fmt(*a["q_active"]), per_run,
-                     "acted" if a["acted"] else "**did not act**"])
+        status = {True: "acted", False: "**did not act**", None: "– (zero-mean noise: the 1% rule is for Branch)"}
+        rows.append([arm, fmt(*a["q_mean"]), fmt(*a["q_p90"]), fmt(*a["q_active"]), per_run, status[a["acted"]]])
     for arm, c in results["meta"].get("arm_configs", {}).items():
         if c.get("kl_cov") and arm in results["per_seed"]:
             kl = [r.get("train/kl_cov_max", 0.0) for r in results["per_seed"][arm].values()]
