@@ -1,7 +1,7 @@
 """The CPU-scale SAGE comparison on countdown: one shared SFT base, then RL with each arm (sage_jax.experiments).
 
-    python -m sage_jax.experiments.reproduce --out docs/results --quick        # ~15 min on 2 free CPU cores
-    python -m sage_jax.experiments.reproduce --out docs/results                # 10 arms x 3 seeds, ~3 h
+    python -m sage_jax.experiments.reproduce --out DIR --quick                 # ~15 min on 2 free CPU cores
+    python -m sage_jax.experiments.reproduce --out DIR                         # every arm x 3 seeds
     python -m sage_jax.experiments.regime --out docs/results/regime.md          # choose the study's regime (GRPO)
     python -m sage_jax.experiments.reproduce --budget study --arms STUDY --sweep \
         --out docs/results --records docs/results/runs                           # round 2 (SEEDS_PER_ARM)

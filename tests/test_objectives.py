@@ -600,7 +600,8 @@ def test_paper_form_branch_arm_is_the_exact_reverse_kl_to_q_pi_ref_over_completi
     # tree is that of -(E_pi[r] - beta * pseudo-KL(pi || q pi_ref)) / 2 tokens, whose stationary point is the
     # paper's pi* = q pi_ref exp(r / beta) / Z over completions; the authors' form (k3 in the loss) has another
     paper, authors = _countdown_loss("grpo_branch_paper"), _countdown_loss("grpo_branch")
-    assert paper.guide.name == authors.guide.name == "branch" and (paper.kl_estimator, paper.kl_in_reward) == ("k1", True)
+    assert paper.guide.name == authors.guide.name == "branch"
+    assert (paper.kl_estimator, paper.kl_in_reward) == ("k1", True)
     reward = jnp.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])  # per leaf row: y = (0,0) and (1,0) are correct
     log_m, log_pi = _tree_anchor()
     r_leaf = reward[np.array([0, 1, 4, 6])]

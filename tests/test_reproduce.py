@@ -143,9 +143,12 @@ def test_tiny_experiment_renders_every_arm_and_resumes(tmp_path):
     assert tau == worklist.tau_at(json.loads((work / "tiny" / "base" / "record.json").read_text())["entropy"], 0.8)
     assert len(results["sweep"]) == 3 and f"gamma=0.3,tau={tau}" in results["sweep"]
     assert not (work / "tiny" / "sweep" / f"gamma0.3_tau{tau}").exists()
-    for name in ("grpo_branch", "grpo_branch_paper"):  # Branch arms use the base-derived tau
+    for name in ("grpo_branch", "grpo_branch_paper"):  # the guide's activity is logged per step
         rec = json.loads((work / "tiny" / "runs" / name / "seed0" / "record.json").read_text())
-        assert "q_active" in rec["curves"] and rec["base_checksum"]
+        assert all(v is not None for k in ("q_active", "q_p90", "q_mean") for v in rec["curves"][k])
+        assert rec["base_checksum"]
+    rec = json.loads((work / "tiny" / "runs" / "grpo_top_entropy" / "seed0" / "record.json").read_text())
+    assert all(0.1 < v < 0.4 for v in rec["curves"]["pg_token_frac"])  # ~20% of the tokens get policy gradient
     # every finished run's record is kept, small, under --records
     kept = records / "tiny" / "runs" / "grpo_kl_cov" / "seed0" / "record.json"
     assert kept.stat().st_size < 60_000 and (records / "tiny" / "base" / "record.json").exists()

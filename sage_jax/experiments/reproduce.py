@@ -1,7 +1,7 @@
 """The CPU-scale SAGE comparison on countdown: one SFT base, RL with every arm and seed, evaluation, RESULTS.md.
 
-    python -m sage_jax.experiments.reproduce --out docs/results --quick       # 8.2 min measured on 2 quiet CPU cores
-    python -m sage_jax.experiments.reproduce --out docs/results               # 10 arms x 3 seeds, ~2-3 h
+    python -m sage_jax.experiments.reproduce --out DIR --quick                # 8.2 min measured on 2 quiet CPU cores
+    python -m sage_jax.experiments.reproduce --out DIR                        # every arm x 3 seeds
     python -m sage_jax.experiments.reproduce --out DIR --sweep                # + Branch gamma x tau grid
 
 Everything runs in this one process (compiled sampler and log-prob programs are shared between runs, and a persistent
@@ -304,8 +304,9 @@ def run_experiment(out: str, work: str, budget: str, seeds: int | None, arms: Se
                      min(seeds, base_config.experiment.sweep_seeds), command, base_record, runs, found["sweep"],
                      wall, cpu, (load_start, os.getloadavg()), arms_module(), load_config("grpo", "full"))
     meta["tau"] = {"tau": tau, "quantile": base_config.experiment.tau_quantile, "sweep_taus": sweep_taus}
+    updates = lambda optim: optim.num_iterations * optim.mini_batches
     meta["arm_configs"] = {job.key: {"guide": job.config.loss.guide, "kl_cov": job.config.loss.kl_cov_ratio > 0,
-                                     "updates_per_batch": job.config.optim.num_iterations * job.config.optim.mini_batches}
+                                     "updates_per_batch": updates(job.config.optim)}
                            for job in todo if job.bucket == "arms"}
     results = report.build(base_record, runs, found["sweep"], meta)
     report.write(out, results)

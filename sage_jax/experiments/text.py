@@ -134,8 +134,8 @@ def _timing(config, full, est, base_t, all_runs, command: str, wall: float, cpu:
               f"RL {rl_s:.0f} s + eval {ev_s:.0f} s over {len(all_runs)} runs.")
     if est:
         timing += (
-            f"\n\nEstimated `full` run (10 arms x {full.experiment.seeds} seeds, {full.train.steps} RL steps, "
-            f"{full.sft.steps} SFT steps, n={full.eval.n} on {full.eval.problems}+{full.experiment.ood_problems} "
+            f"\n\nEstimated `full` run ({est['rl_runs'] // full.experiment.seeds} arms x {full.experiment.seeds} "
+            f"seeds, {full.train.steps} RL steps, {full.sft.steps} SFT steps, n={full.eval.n} on {full.eval.problems}+{full.experiment.ood_problems} "
             f"problems), extrapolated from this run's measured costs (median {est['per_step_s']:.2f} s per RL step, "
             f"{est['overhead_s']:.0f} s fixed per run, {est['per_row_ms']:.2f} ms per sampled eval completion): "
             f"{est['total_s'] / 3600:.1f} h at this run's speed"
@@ -177,7 +177,7 @@ def _commands(command: str, records) -> list[str]:
                 "python -m sage_jax.experiments.reproduce --out DIR                  # full: 3 seeds, 80 RL steps",
                 "python -m sage_jax.experiments.reproduce --out DIR --sweep          # + Branch gamma x tau grid",
                 "python -m sage_jax.experiments.reproduce --out DIR --report-only    # render what has finished",
-                "# round 2: the GRPO-only regime search, then the study (SEEDS_PER_ARM, records kept for later sessions)",
+                "# round 2: the GRPO-only regime search, then the study (records kept for later sessions)",
                 "python -m sage_jax.experiments.regime --out docs/results/regime.md --records docs/results/runs",
                 "python -m sage_jax.experiments.reproduce --budget study --arms STUDY --sweep --out docs/results "
                 "--records docs/results/runs"]
