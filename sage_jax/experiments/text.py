@@ -136,7 +136,8 @@ def _timing(config, full, est, base_t, all_runs, command: str, wall: float, cpu:
         timing += (
             f"\n\nEstimated `full` run ({est['rl_runs'] // full.experiment.seeds} arms x {full.experiment.seeds} "
             f"seeds, {full.train.steps} RL steps, {full.sft.steps} SFT steps, n={full.eval.n} on "
-            f"{full.eval.problems}+{full.experiment.ood_problems} problems), extrapolated from this run's measured costs (median {est['per_step_s']:.2f} s per RL step, "
+            f"{full.eval.problems}+{full.experiment.ood_problems} problems), extrapolated from this run's measured "
+            f"costs (median {est['per_step_s']:.2f} s per RL step, "
             f"{est['overhead_s']:.0f} s fixed per run, {est['per_row_ms']:.2f} ms per sampled eval completion): "
             f"{est['total_s'] / 3600:.1f} h at this run's speed"
             + (f", about {est['total_s'] * est['cpu_ratio'] / 3600:.1f} h on a quiet machine (the RL runs got "
