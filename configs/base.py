@@ -45,7 +45,8 @@ def get_config(arg=None):
 
     # The loss and guide defaults live in objectives.LossConfig and guides.GuideConfig (one flat dict here): k3
     # anchor, beta 0.05, clip 0.2, GRPO aggregation, advantages over the group's std (ddof 1) + 1e-4, no guide;
-    # Branch gamma 0.3, tau 1.2, every guide clamped to [0.6, 1.4].
+    # Branch gamma 0.3, tau 1.2, every guide clamped to [0.6, 1.4]; the peers' options (entropy bonus, TRL's
+    # top-entropy mask, verl's KL-Cov) off.
     c.loss = ml_collections.ConfigDict(objectives.loss_defaults())
 
     c.optim = ml_collections.ConfigDict(dict(

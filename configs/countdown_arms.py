@@ -1,10 +1,13 @@
 """The CPU-scale SAGE comparison on countdown: one shared SFT base, then RL with each arm (sage_jax.experiments).
 
-    python -m sage_jax.experiments.reproduce --out docs/results --quick        # ~15 min on 2 free CPU cores
-    python -m sage_jax.experiments.reproduce --out docs/results                # 10 arms x 3 seeds, ~3 h
+    python -m sage_jax.experiments.reproduce --out DIR --quick                 # ~15 min on 2 free CPU cores
+    python -m sage_jax.experiments.reproduce --out DIR                         # every arm x 3 seeds
+    python -m sage_jax.experiments.regime --out docs/results/regime.md          # choose the study's regime (GRPO)
+    python -m sage_jax.experiments.reproduce --budget study --arms STUDY --sweep \
+        --out docs/results --records docs/results/runs                           # round 2 (SEEDS_PER_ARM)
     python -m sage_jax.train --config configs/countdown_arms.py:grpo_branch,quick --workdir /tmp/one_arm
 
-arg: "ARM" or "ARM,BUDGET" with ARM one of ARMS (default grpo) and BUDGET tiny | quick | full (default full).
+arg: "ARM" or "ARM,BUDGET" with ARM one of ARMS (default grpo) and BUDGET tiny | quick | full | study (default full).
 Every arm shares everything below except its entry in ARMS. The base model is an SFT warm-start whose
 demonstrations spread unevenly over valid strategies (mul 0.7, add 0.2, sub 0.07, div 0.03: a dominant mode and
 rarer valid ones), so RL can either sharpen onto the dominant mode or keep the rare ones.
@@ -23,6 +26,8 @@ BRANCH = {"loss.guide": "branch"}
 # TRL's loss_type="bnpo" (token-mean over the batch), as the authors ran it; not the BNPO paper's Beta-normalised
 # advantages
 BNPO = {"loss.aggregation": "token-mean"}
+# the exact reverse KL over whole completions: k1 as a reward penalty (README "Which KL estimator")
+RKL = {"loss.kl_estimator": "k1", "loss.kl_in_reward": True}
 
 # Each arm's difference from GRPO (k3 reverse-KL anchor to pi_ref, no guide, seq-mean-token-mean).
 ARMS: dict[str, dict[str, Any]] = {
@@ -31,7 +36,18 @@ ARMS: dict[str, dict[str, Any]] = {
     "fkl": {"loss.kl_estimator": "forward-seq"},
     "grpo_random": {"loss.guide": "random"},
     "grpo_token": {"loss.guide": "token"},
+    "grpo_rkl": RKL,
+    # Branch as the authors ran it (k3, log q on the reference) and in the paper's form: k1 in the reward, whose
+    # stationary policy over completions is q * pi_ref * exp(r / beta) (tests/test_objectives.py)
     "grpo_branch": BRANCH,
+    "grpo_branch_paper": RKL | BRANCH,
+    # the nearest peers (objectives.py): an entropy bonus; TRL's top_entropy_quantile 0.2 (the policy gradient on
+    # the top 20% entropy tokens); verl's kl_cov (its 7B recipe's ratio is 0.002; a countdown batch has ~1.3k
+    # tokens, so 0.01 penalises ~13 of them). KL-Cov penalises |log pi - log pi_old| and so acts only when a batch
+    # is used for more than one update (optim.mini_batches or optim.num_iterations > 1).
+    "grpo_entropy": {"loss.entropy_coef": 0.01},
+    "grpo_top_entropy": {"loss.top_entropy_quantile": 0.2},
+    "grpo_kl_cov": {"loss.kl_cov_ratio": 0.01, "loss.kl_cov_coef": 1.0},
     "dapo": DAPO,
     "dapo_branch": DAPO | BRANCH,
     "bnpo": BNPO,
@@ -47,12 +63,48 @@ BUDGETS: dict[str, dict[str, Any]] = {
              "rollout.group_size": 4, "rollout.max_new_tokens": 16,
              "train.steps": 2, "train.max_resample": 1, "eval.n": 8,
              "eval.problems": 2, "eval.max_new_tokens": 16, "experiment.seeds": 1, "experiment.ood_problems": 2,
-             "experiment.rows_per_call": 16, "experiment.sweep_gammas": (0.3, 1.0), "experiment.sweep_taus": (0.3,)},
+             "experiment.rows_per_call": 16, "experiment.sweep_gammas": (0.3, 1.0), "experiment.sweep_taus": (0.3,),
+             # the study's machinery in seconds: tau from the base's entropies, the cross on the paper-form Branch
+             "experiment.tau_quantile": 0.8, "experiment.sweep_arm": "grpo_branch_paper",
+             "experiment.sweep_design": "cross", "experiment.sweep_tau_quantiles": (0.5,)},
     # ~15 minutes: a shorter SFT and RL, 1 seed, 64 samples on 48 + 24 problems
     "quick": {"sft.steps": 500, "train.steps": 32, "eval.n": 64, "eval.problems": 48,
               "experiment.ood_problems": 24, "experiment.seeds": 1},
     "full": {},
+    # round 2 (issue 20): the arms of SEEDS_PER_ARM, a smaller evaluation at n = 256, tau from the base's own
+    # token entropies (experiment.tau_quantile), the gamma / tau cross on the paper-form Branch; then REGIME
+    "study": {"eval.problems": 64, "experiment.ood_problems": 32, "experiment.seeds": 10,
+              "experiment.tau_quantile": 0.8, "experiment.sweep_arm": "grpo_branch_paper",
+              "experiment.sweep_design": "cross", "experiment.sweep_seeds": 5,
+              "experiment.sweep_tau_quantiles": (0.7, 0.8, 0.9)},
 }
+
+# Seeds per arm in the study: 10 for the main Branch arms and their GRPO baselines (same estimator, no guide), 5 else
+SEEDS_PER_ARM = {"grpo": 10, "grpo_branch": 10, "grpo_rkl": 10, "grpo_branch_paper": 10, "grpo_nokl": 5, "fkl": 5,
+                 "grpo_token": 5, "grpo_random": 5, "grpo_entropy": 5, "grpo_top_entropy": 5, "grpo_kl_cov": 5}
+
+# The study's shared regime, frozen from `python -m sage_jax.experiments.regime` (its selected row) before any arm
+# runs, and never changed after a guide's results are seen. Empty: not yet chosen (the study budget as above).
+REGIME: dict[str, Any] = {}
+
+# What the regime search tries, GRPO only: the shared settings and why each is a candidate.
+REGIME_CANDIDATES: dict[str, tuple[dict[str, Any], str]] = {
+    "round1": ({}, "round 1's regime: GRPO moved pass@1 0.351 -> 0.360 only"),
+    "steps200": ({"train.steps": 200}, "longer RL: more time to sharpen"),
+    "steps200_lr5e-4": ({"train.steps": 200, "optim.lr": 5e-4}, "longer and faster RL"),
+    "steps200_beta0.02": ({"train.steps": 200, "loss.beta": 0.02}, "a looser anchor lets GRPO drift further"),
+    "steps200_skew": ({"train.steps": 200, "sft.mode_weights.mul": 0.85, "sft.mode_weights.add": 0.1,
+                       "sft.mode_weights.sub": 0.035, "sft.mode_weights.div": 0.015},
+                      "a more skewed base: a clearer dominant mode to collapse onto"),
+    "steps150_prompts32": ({"train.steps": 150, "rollout.prompts_per_step": 32}, "more prompts per step"),
+    "steps200_mb2": ({"train.steps": 200, "optim.mini_batches": 2},
+                     "two updates per batch (the clip and KL-Cov act; verl's default uses several)"),
+}
+
+
+def seeds_for(arm: str, budget: str, default: int) -> int:
+    """Seeds an arm gets: SEEDS_PER_ARM's under the study budget (capped by default), else default."""
+    return min(default, SEEDS_PER_ARM.get(arm, default)) if budget == "study" else default
 
 
 def _set(c: ml_collections.ConfigDict, dotted: dict[str, Any]) -> None:
@@ -101,8 +153,14 @@ def get_config(arg=None):
     c.sft.mode_weights.update(mul=0.7, add=0.2, sub=0.07, div=0.03)
     c.experiment = ml_collections.ConfigDict(dict(
         budget=budget, arm=arm, seeds=3, sft_problems=1000, ood_problems=64, rows_per_call=4096,
-        sweep_gammas=(0.1, 0.3, 1.0), sweep_taus=(0.3, 0.6, 1.2), sweep_seeds=1))
+        # tau_quantile > 0: Branch's tau = that quantile of the SFT base's token entropies on its own samples
+        # (0.8: ~20% of completion tokens above tau, the share forking tokens have in large models)
+        tau_quantile=0.0, sweep_arm="grpo_branch", sweep_design="grid", sweep_gammas=(0.1, 0.3, 1.0),
+        sweep_taus=(0.3, 0.6, 1.2), sweep_tau_quantiles=(), sweep_seeds=1))
     _set(c, BUDGETS[budget])
+    if budget == "study":
+        _set(c, REGIME)
     _set(c, ARMS[arm])
     c.train.ckpt_every = c.train.steps  # one checkpoint, at the end: what a resumed experiment reloads
+    c.eval.ks = tuple(k for k in c.eval.ks if k <= c.eval.n) or (1,)  # budgets with a smaller eval.n
     return c

@@ -168,12 +168,18 @@ def compute_log_q(name: str, logp_NxC: jax.Array, entropy_NxC: jax.Array, mask_N
 
 
 def q_stats(log_q_NxC: jax.Array, mask_NxC: jax.Array) -> dict[str, jax.Array]:
-    """sage/q_{mean,min,max,frac_above_1} over real tokens (all 1.0 / 0.0 when there are none)."""
+    """sage/q_{mean,min,max,p90,frac_above_1,active} over real tokens (1.0 / 0.0 when there are none).
+
+    q_active is the share of tokens with q != 1 (either side), q_p90 the 90th percentile of q over the batch's tokens.
+    """
     valid_NxC = mask_NxC > 0
     q_NxC = jnp.exp(log_q_NxC)
     count = jnp.maximum(valid_NxC.sum(), 1)
     has_any = valid_NxC.any()
+    p90 = masked_quantile(q_NxC.reshape(1, -1), mask_NxC.reshape(1, -1), 0.9)[0]
     return {
+        "sage/q_p90": jnp.where(has_any, p90, 1.0),
+        "sage/q_active": (valid_NxC & (jnp.abs(log_q_NxC) > 1e-6)).sum() / count,
         "sage/q_mean": jnp.where(valid_NxC, q_NxC, 0.0).sum() / count + jnp.where(has_any, 0.0, 1.0),
         "sage/q_min": jnp.where(has_any, jnp.where(valid_NxC, q_NxC, jnp.inf).min(), 1.0),
         "sage/q_max": jnp.where(has_any, jnp.where(valid_NxC, q_NxC, -jnp.inf).max(), 1.0),

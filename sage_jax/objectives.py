@@ -8,6 +8,15 @@ The per-token estimators (kl_term) all weigh prefixes by pi, so none of them is 
 "forward-seq" anchor is: it weighs each group's completions by m(y) / pi_old(y), self-normalised within the group
 (forward_kl_coefficients, computed by the trainer before the batch is split), rather than drawing extra samples from
 pi_ref, so it needs no second sampler pass and no reference-model decoding.
+
+Beside the anchor, three options of the nearest peers (README "Which KL estimator", last table), each off by default:
+  loss.entropy_coef          entropy bonus: - coef * aggregate(H_t), H_t the exact entropy of pi's next-token
+                             distribution at each sampled position (its gradient is -coef * grad H there)
+  loss.top_entropy_quantile  TRL's top_entropy_quantile: the policy-gradient term only on the real tokens whose
+                             entropy is at or above the (1 - rho) quantile of this batch's (1.0 = every token)
+  loss.kl_cov_ratio/_coef    verl's kl_cov: + coef * |log pi - log pi_old| on the ratio * (number of real tokens)
+                             tokens with the largest (A - mean A)(log pi - mean log pi) over the batch
+The quantile and the covariance are over the rows one loss call sees (a micro-batch under optim.grad_accum).
 """
 
 from __future__ import annotations
@@ -160,6 +169,39 @@ def sequence_forward_kl(logp_NxC: jax.Array, coef_N: jax.Array, mask_NxC: jax.Ar
     return jnp.where(mask_NxC > 0, value_NxC, 0.0)
 
 
+# --------------------------------------------------------------------------------------------------- peers' options
+
+def high_entropy_mask(entropy_NxC: jax.Array, mask_NxC: jax.Array, keep: float) -> jax.Array:
+    """float [N, C]: 1 on the real tokens whose entropy is >= the (1 - keep) quantile (linear interpolation, as
+    torch.quantile) of all real tokens here, else 0: TRL's top_entropy_quantile = keep."""
+    valid_NxC = mask_NxC > 0
+    flat = lambda x: x.reshape(1, -1)
+    threshold = guides.masked_quantile(flat(sg(entropy_NxC)), flat(mask_NxC), 1.0 - keep)[0]
+    return (valid_NxC & (sg(entropy_NxC) >= threshold)).astype(jnp.float32)
+
+
+def kl_cov_penalty(logp_NxC: jax.Array, old_logp_NxC: jax.Array, adv_N: jax.Array, mask_NxC: jax.Array,
+                   ratio: float, coef: float) -> tuple[jax.Array, jax.Array]:
+    """(coef * |log pi - log pi_old| on the selected tokens, 0 elsewhere; the selection as float [N, C]).
+
+    Selected: the max(1, floor(ratio * n)) real tokens (n of them) with the largest covariance term
+    (A - mean A) * (log pi - mean log pi), means over the real tokens, log pi detached (verl's kl_cov). |d| is
+    written d * sign(d) with the sign held fixed, so its gradient is 0 where pi = pi_old (jnp.abs's is 1 there):
+    the penalty restrains updates after the first one on a batch and is inert on a single on-policy update.
+    """
+    valid_NxC = mask_NxC > 0
+    n = jnp.maximum(valid_NxC.sum(), 1)
+    adv_NxC = jnp.broadcast_to(adv_N[:, None], logp_NxC.shape)
+    mean = lambda x: jnp.where(valid_NxC, x, 0.0).sum() / n
+    lp_NxC = sg(logp_NxC)
+    cov_NxC = jnp.where(valid_NxC, (adv_NxC - mean(adv_NxC)) * (lp_NxC - mean(lp_NxC)), -jnp.inf)
+    k = jnp.maximum(jnp.floor(ratio * n).astype(jnp.int32), 1)
+    rank = jnp.argsort(jnp.argsort(-cov_NxC.reshape(-1))).reshape(cov_NxC.shape)  # 0 = largest; exactly k picked
+    selected_NxC = (valid_NxC & (rank < k)).astype(jnp.float32)
+    d_NxC = jnp.where(valid_NxC, logp_NxC - sg(old_logp_NxC), 0.0)
+    return coef * selected_NxC * d_NxC * sg(jnp.sign(d_NxC)), selected_NxC
+
+
 # --------------------------------------------------------------------------------------------------- surrogate
 
 def policy_surrogate(logp_NxC: jax.Array, old_logp_NxC: jax.Array, adv_N: jax.Array, mask_NxC: jax.Array, *,
@@ -230,6 +272,10 @@ class LossConfig:
     adv_eps: float = 1e-4  # with std_ddof 1: the reference trainer's torch.std and epsilon
     std_ddof: int = 1
     adv_estimator: str = "grpo"
+    entropy_coef: float = 0.0  # entropy bonus (0 = off)
+    top_entropy_quantile: float = 1.0  # share of tokens (highest entropy first) the policy gradient trains on
+    kl_cov_ratio: float = 0.0  # share of tokens KL-Cov penalises (0 = off)
+    kl_cov_coef: float = 1.0
     guide: guides.GuideConfig = guides.GuideConfig()
 
     def __post_init__(self):
@@ -250,6 +296,10 @@ class LossConfig:
             raise ValueError("loss.eps_low, loss.eps_high, loss.tis_cap and loss.beta must be >= 0.")
         if self.temperature <= 0:
             raise ValueError(f"loss.temperature={self.temperature} must be > 0.")
+        if not 0.0 <= self.top_entropy_quantile <= 1.0 or not 0.0 <= self.kl_cov_ratio <= 1.0:
+            raise ValueError("loss.top_entropy_quantile and loss.kl_cov_ratio must lie in [0, 1] (e.g. 0.2, 0.002).")
+        if self.entropy_coef < 0 or self.kl_cov_coef < 0:
+            raise ValueError("loss.entropy_coef and loss.kl_cov_coef must be >= 0.")
 
     @property
     def kl_in_loss(self) -> bool:
@@ -305,6 +355,15 @@ def loss_from_logprobs(logp_NxC: jax.Array, entropy_NxC: jax.Array, batch: Mappi
     pg_NxC, pg_stats = policy_surrogate(
         logp_NxC, old_logp_NxC, adv_N, mask_NxC, eps_low=loss_cfg.eps_low, eps_high=loss_cfg.eps_high,
         dual_clip=loss_cfg.dual_clip, sampler_logp_NxC=batch.get("sampler_logp"), tis_cap=loss_cfg.tis_cap)
+    pg_share_NxC = mask_NxC
+    if loss_cfg.top_entropy_quantile < 1.0:
+        pg_share_NxC = high_entropy_mask(entropy_NxC, mask_NxC, loss_cfg.top_entropy_quantile)
+        pg_NxC = pg_NxC * pg_share_NxC
+    cov_NxC, cov_selected_NxC = jnp.zeros_like(pg_NxC), jnp.zeros_like(pg_NxC)
+    if loss_cfg.kl_cov_ratio > 0:
+        cov_NxC, cov_selected_NxC = kl_cov_penalty(logp_NxC, old_logp_NxC, adv_N, mask_NxC, loss_cfg.kl_cov_ratio,
+                                                   loss_cfg.kl_cov_coef)
+    bonus_NxC = -loss_cfg.entropy_coef * entropy_NxC if loss_cfg.entropy_coef else jnp.zeros_like(pg_NxC)
     if loss_cfg.kl_in_loss and loss_cfg.kl_estimator in SEQUENCE_ESTIMATORS:
         if batch.get("seq_kl_coef") is None:
             raise ValueError(f"loss.kl_estimator={loss_cfg.kl_estimator!r} needs batch['seq_kl_coef'] "
@@ -316,7 +375,7 @@ def loss_from_logprobs(logp_NxC: jax.Array, entropy_NxC: jax.Array, batch: Mappi
         kl_NxC = jnp.zeros_like(pg_NxC)
     agg = lambda x_NxC: aggregate(x_NxC, mask_NxC, loss_cfg.aggregation, loss_cfg.norm_len,
                                   batch.get("tokens_per_row"))
-    loss = agg(pg_NxC + kl_NxC)
+    loss = agg(pg_NxC + kl_NxC + cov_NxC + bonus_NxC)
 
     count = jnp.maximum(mask_NxC.sum(), 1.0)
     token_mean = lambda x_NxC: (sg(x_NxC) * mask_NxC).sum() / count
@@ -324,6 +383,8 @@ def loss_from_logprobs(logp_NxC: jax.Array, entropy_NxC: jax.Array, batch: Mappi
         "loss/total": loss,
         "loss/policy": agg(sg(pg_NxC)),
         "loss/kl": agg(sg(kl_NxC)),
+        "loss/kl_cov": agg(sg(cov_NxC)),
+        "loss/entropy_bonus": agg(sg(bonus_NxC)),
         # k3 is the one estimator that is non-negative per token, so it is what every arm logs
         "rl/kl": token_mean(kl_term(logp_NxC, ref_logp_NxC, log_q_NxC, "k3", mask_NxC)),
         "rl/kl_ref": token_mean(kl_term(logp_NxC, ref_logp_NxC, None, "k3", mask_NxC)),
@@ -333,6 +394,8 @@ def loss_from_logprobs(logp_NxC: jax.Array, entropy_NxC: jax.Array, batch: Mappi
         "rl/adv_max": adv_N.max(),
         "rl/adv_min": adv_N.min(),
         "rl/response_len": batch["completion_mask"].astype(jnp.float32).sum(-1).mean(),
+        "rl/pg_token_frac": token_mean(pg_share_NxC),  # share of tokens the policy gradient trains on
+        "rl/kl_cov_frac": token_mean(cov_selected_NxC),
         **pg_stats,
         **guides.q_stats(log_q_NxC, mask_NxC),
     }

@@ -166,9 +166,13 @@ def test_q_stats():
     assert float(stats["sage/q_min"]) == pytest.approx(0.8, abs=1e-6)
     assert float(stats["sage/q_max"]) == pytest.approx(1.4, abs=1e-6)
     assert float(stats["sage/q_frac_above_1"]) == pytest.approx(0.5)
+    assert float(stats["sage/q_active"]) == pytest.approx(0.75)  # 1.3, 0.8, 1.4: q != 1 on either side
+    # q over the 4 real tokens sorted 0.8, 1.0, 1.3, 1.4: position 0.9 * 3 = 2.7 -> 1.3 + 0.7 * 0.1
+    assert float(stats["sage/q_p90"]) == pytest.approx(1.37, abs=1e-5)
     empty = guides.q_stats(log_q, jnp.zeros_like(mask))
     assert all(np.isfinite(float(v)) for v in empty.values())
-    assert float(empty["sage/q_mean"]) == 1.0
+    assert float(empty["sage/q_mean"]) == 1.0 and float(empty["sage/q_p90"]) == 1.0
+    assert float(empty["sage/q_active"]) == 0.0
 
 
 def test_guide_config_from_config_dict():

@@ -497,3 +497,141 @@ def test_loss_fn_jits_on_tiny_model_with_finite_grads_for_padding_row():
     assert float(metrics["rl/kl_ref"]) == pytest.approx(0.0, abs=1e-5)
     assert float(metrics["rl/response_len"]) == pytest.approx((5 + 3 + 5 + 0) / 4)
     assert float(metrics["sage/q_max"]) > 1.0
+
+
+# --------------------------------------------------------------------------------------------------- peers' options
+
+def _categorical_batch(n=2, c=3, v=4, seed=0):
+    """Logits [n, c, v] with sampled tokens: logp / entropy of each position as functions of the logits."""
+    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
+    z = jax.random.normal(k1, (n, c, v))
+    tokens = jax.random.randint(k2, (n, c), 0, v)
+
+    def rows(z):
+        lp = jax.nn.log_softmax(z, -1)
+        return (jnp.take_along_axis(lp, tokens[..., None], -1)[..., 0], -jnp.sum(jnp.exp(lp) * lp, -1))
+    return z, rows
+
+
+def test_entropy_bonus_gradient_is_the_exact_entropy_gradient_at_each_position():
+    z, rows = _categorical_batch()
+    mask = jnp.array([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    cfg = obj.LossConfig(beta=0.0, entropy_coef=0.1)
+
+    def loss(z, cfg):
+        logp, ent = rows(z)
+        batch = {"completion_mask": mask, "advantages": jnp.zeros(2), "old_logp": sg(logp), "ref_logp": sg(logp)}
+        return obj.loss_from_logprobs(logp, ent, batch, cfg)[0]
+    g = jax.grad(loss)(z, cfg)
+    # seq-mean-token-mean of -0.1 * H(z_nt): each real position gets -0.1 / (N * C_n) * grad H(z_nt), not a sample
+    entropy = lambda zz: -jnp.sum(jax.nn.softmax(zz) * jax.nn.log_softmax(zz))
+    weights = np.array([[1 / 6, 1 / 6, 1 / 6], [1 / 4, 1 / 4, 0.0]])
+    for i in range(2):
+        for t in range(3):
+            np.testing.assert_allclose(g[i, t], -0.1 * weights[i, t] * jax.grad(entropy)(z[i, t]), atol=1e-7)
+    assert float(loss(z, cfg)) == pytest.approx(-0.1 * float((rows(z)[1] * weights).sum()), rel=1e-6)
+    assert not np.any(np.asarray(jax.grad(loss)(z, obj.LossConfig(beta=0.0))))  # off: no gradient at A = 0
+
+
+def test_top_entropy_mask_trains_only_the_top_share_of_tokens_and_keeps_the_kl_on_all():
+    entropy = jnp.array([[0.1, 0.9, 0.5, 2.0, 0.3, 7.0], [0.2, 0.8, 1.5, 0.4, 0.6, 5.0]])
+    mask = jnp.ones((2, 6)).at[:, 5].set(0)  # 10 real tokens; the padding's large entropies must not count
+    logp = jnp.full((2, 6), -1.0)
+    batch = {"completion_mask": mask, "advantages": jnp.array([1.0, -1.0]), "old_logp": logp,
+             "ref_logp": logp - 0.5}
+    grad = lambda cfg: np.asarray(jax.grad(lambda lp: obj.loss_from_logprobs(lp, entropy, batch, cfg)[0])(logp))
+    # the 0.8 quantile of the 10 real entropies lies between 0.9 and 1.5: exactly 2.0 and 1.5 are kept (top 20%)
+    kept = np.zeros((2, 6), bool)
+    kept[0, 3] = kept[1, 2] = True
+    g = grad(obj.LossConfig(beta=0.0, top_entropy_quantile=0.2))
+    assert np.array_equal(g != 0, kept)
+    np.testing.assert_allclose(g[kept], grad(obj.LossConfig(beta=0.0))[kept], rtol=1e-6)  # same normaliser (TRL)
+    # the KL anchor still acts on every real token
+    with_kl = grad(obj.LossConfig(beta=0.1, top_entropy_quantile=0.2))
+    assert np.array_equal(with_kl != 0, np.asarray(mask) > 0)
+    masked_out = ~kept & (np.asarray(mask) > 0)  # there, only the KL's gradient is left
+    only_kl = grad(obj.LossConfig(beta=0.1)) - grad(obj.LossConfig(beta=0.0))
+    np.testing.assert_allclose(with_kl[masked_out], only_kl[masked_out], rtol=1e-5)
+    _, m = loss_from_logprobs(logp, entropy, batch, obj.LossConfig(beta=0.0, top_entropy_quantile=0.2))
+    assert float(m["rl/pg_token_frac"]) == pytest.approx(0.2)
+    # keep 0.0: only the single highest-entropy token; keep 1.0: every token (the option is off)
+    assert (grad(obj.LossConfig(beta=0.0, top_entropy_quantile=0.0)) != 0).sum() == 1
+    assert np.array_equal(grad(obj.LossConfig(beta=0.0, top_entropy_quantile=1.0)), grad(obj.LossConfig(beta=0.0)))
+
+
+def _kl_cov_case():
+    # 2 rows x 3 tokens, one padded. Means over the 5 real tokens: A 0.2, log pi -1.0.
+    # cov = (A - 0.2) * (logp + 1): row 0 (A = 1): 0.8 * (0.5, -0.5, 1.0); row 1 (A = -1): -1.2 * (-0.6, -0.4, pad)
+    logp = jnp.array([[-0.5, -1.5, 0.0], [-1.6, -1.4, -3.0]])
+    mask = jnp.array([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    return logp, mask, jnp.array([1.0, -1.0])  # covs 0.4, -0.4, 0.8, 0.72, 0.48
+
+
+def test_kl_cov_selects_the_highest_covariance_tokens_and_is_inert_on_policy():
+    logp, mask, adv = _kl_cov_case()
+    pen, selected = obj.kl_cov_penalty(logp, logp, adv, mask, ratio=0.4, coef=1.0)  # floor(0.4 * 5) = 2 tokens
+    assert np.array_equal(np.asarray(selected), [[0, 0, 1], [1, 0, 0]])  # cov 0.8 and 0.72
+    assert np.array_equal(np.asarray(obj.kl_cov_penalty(logp, logp, adv, mask, 0.0001, 1.0)[1]),
+                          [[0, 0, 1], [0, 0, 0]])  # at least one token
+    batch = {"completion_mask": mask, "advantages": adv, "old_logp": logp, "ref_logp": logp - 0.3}
+    loss_grad = lambda lp, cfg, b: jax.grad(lambda x: obj.loss_from_logprobs(x, jnp.zeros_like(x), b, cfg)[0])(lp)
+    grpo, kl_cov = obj.LossConfig(beta=0.1), obj.LossConfig(beta=0.1, kl_cov_ratio=0.4, kl_cov_coef=2.0)
+    # on policy (pi = pi_old) the |log pi - log pi_old| penalty has no gradient: exactly GRPO's
+    np.testing.assert_array_equal(loss_grad(logp, kl_cov, batch), loss_grad(logp, grpo, batch))
+    # after an update: coef * sign(log pi - log pi_old) on the selected tokens, / the aggregation's token counts
+    moved = logp + jnp.array([[0.05, -0.05, 0.05], [-0.05, 0.05, 0.0]])
+    extra = np.asarray(loss_grad(moved, kl_cov, batch) - loss_grad(moved, grpo, batch))
+    expected = np.zeros((2, 3))
+    expected[0, 2], expected[1, 0] = 2.0 * 1 / (2 * 3), 2.0 * -1 / (2 * 2)  # seq-mean-token-mean weights
+    np.testing.assert_allclose(extra, expected, atol=1e-6)
+    _, m = loss_from_logprobs(moved, jnp.zeros_like(moved), batch, kl_cov)
+    assert float(m["rl/kl_cov_frac"]) == pytest.approx(2 / 5) and float(m["loss/kl_cov"]) > 0
+    with pytest.raises(ValueError, match="kl_cov_ratio"):
+        obj.LossConfig(kl_cov_ratio=2.0)
+
+
+def _countdown_loss(arm):
+    from sage_jax import config as config_lib, trainer
+    return trainer.loss_config(config_lib.load(f"configs/countdown_arms.py:{arm},tiny", []))
+
+
+def test_paper_form_branch_arm_is_the_exact_reverse_kl_to_q_pi_ref_over_completions():
+    # the arm's estimator with the tree's guide (so q acts) and no std scaling: its expected gradient over the whole
+    # tree is that of -(E_pi[r] - beta * pseudo-KL(pi || q pi_ref)) / 2 tokens, whose stationary point is the
+    # paper's pi* = q pi_ref exp(r / beta) / Z over completions; the authors' form (k3 in the loss) has another
+    paper, authors = _countdown_loss("grpo_branch_paper"), _countdown_loss("grpo_branch")
+    assert paper.guide.name == authors.guide.name == "branch"
+    assert (paper.kl_estimator, paper.kl_in_reward) == ("k1", True)
+    reward = jnp.array([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0])  # per leaf row: y = (0,0) and (1,0) are correct
+    log_m, log_pi = _tree_anchor()
+    r_leaf = reward[np.array([0, 1, 4, 6])]
+    beta = paper.beta
+
+    def objective(z):
+        lp = log_pi(z)
+        pi = jnp.exp(lp)
+        return -(jnp.sum(pi * r_leaf) - beta * jnp.sum(pi * (lp - log_m) - pi)) / 2
+    exact = jax.grad(objective)(TREE_PI)
+    tree_cfg = lambda lc: dataclasses.replace(lc, adv_scale="none", guide=TREE_GUIDE)
+    got = _tree_grad_with(tree_cfg(paper), reward)
+    for g, e in zip(got, exact):
+        np.testing.assert_allclose(g, e, atol=1e-6)
+    assert _relative_gap(_tree_grad_with(tree_cfg(authors), reward), exact) > 0.05
+
+
+def _tree_grad_with(loss_cfg, reward_rows):
+    """Expected gradient over the tree of loss_cfg's loss with rewards per leaf row (one group of 8)."""
+    ref_logp = _tree_rows(TREE_REF)[0]
+    guide = loss_cfg.guide
+
+    def loss(z):
+        logp, entropy = _tree_rows(z)
+        mask = jnp.ones((8, 2))
+        log_q = guides.compute_log_q(guide.name, logp, entropy, mask, None, guide)
+        r = reward_rows
+        if loss_cfg.kl_in_reward:
+            r = r + obj.kl_reward_penalty(logp, ref_logp, log_q, mask, loss_cfg.beta)
+        adv = obj.group_advantages(r, 8, scale=loss_cfg.adv_scale)
+        batch = {"completion_mask": mask, "old_logp": sg(logp), "ref_logp": ref_logp, "advantages": adv}
+        return obj.loss_from_logprobs(logp, entropy, batch, loss_cfg)[0]
+    return jax.grad(loss)(TREE_PI)

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from sage_jax.experiments import measure, reproduce, stats
+from sage_jax.experiments import measure, reproduce, stats, worklist
 from sage_jax.rewards import countdown
 
 GOLD = {"numbers": [3, 4, 2], "target": 10}  # solutions: 4*3-2 (sub) and 3*2+4 (add)
@@ -33,6 +33,37 @@ def test_paired_difference_uses_common_seeds():
     assert count == 3
     assert mean == pytest.approx(5 / 3)
     assert half == pytest.approx(4.303 * math.sqrt(4 / 3) / math.sqrt(3), rel=1e-6)
+
+
+def test_t_distribution_holm_and_minimum_detectable_effect():
+    assert stats.t_cdf(4.303, 2) == pytest.approx(0.975, abs=1e-4)  # the table's t_{0.975, 2}
+    assert stats.t_cdf(0.0, 7) == pytest.approx(0.5) and stats.t_cdf(-2.262, 9) == pytest.approx(0.025, abs=1e-4)
+    assert stats.t_ppf(0.975, 9) == pytest.approx(2.262, abs=1e-3) and stats.t_ppf(0.8, 9) == pytest.approx(0.883,
+                                                                                                      abs=1e-3)
+    r = stats.paired_test([0.1, 0.2, -0.05, 0.15])  # mean 0.1, sd 0.108: t = 1.852 on 3 df
+    assert r["p"] == pytest.approx(0.1612, abs=1e-4) and r["n"] == 4
+    assert r["mde"] == pytest.approx((3.182 + 0.978) * r["sd"] / 2, rel=1e-3)
+    assert math.isnan(stats.paired_test([0.3])["p"])
+    # Holm: sorted p 0.01, 0.03, 0.04, 0.2 times 4, 3, 2, 1, kept monotone; NaN is not a comparison
+    assert stats.holm([0.01, 0.04, 0.03, math.nan, 0.2])[:3] == pytest.approx([0.04, 0.09, 0.09])
+    assert math.isnan(stats.holm([math.nan])[0])
+
+
+def test_report_flags_a_guide_that_did_not_act():
+    from sage_jax.experiments import report
+    runs = lambda qs: {s: {"train/q_mean": q, "train/q_p90": q, "train/q_active": 0.1} for s, q in enumerate(qs)}
+    per_seed = {"idle": runs([1.004, 1.006]), "live": runs([1.05, 1.08]), "plain": runs([1.0, 1.0]),
+                "noise": runs([1.0, 1.001])}
+    results = {"per_seed": per_seed, "aggregate": {a: stats.aggregate(list(r.values())) for a, r in per_seed.items()},
+               "meta": {"arm_configs": {"idle": {"guide": "branch"}, "live": {"guide": "branch"},
+                                        "plain": {"guide": "none"}, "noise": {"guide": "random"}}}}
+    activity = report.guide_activity(results)
+    assert set(activity) == {"idle", "live", "noise"}
+    assert activity["idle"]["acted"] is False and activity["live"]["acted"] is True
+    assert activity["noise"]["acted"] is None  # zero-mean noise: q_mean ~ 1 says nothing
+    assert activity["idle"]["idle_seeds"] == [0, 1]
+    table = report._activity_table(results)
+    assert "| idle |" in table and "**did not act**" in table.split("| live |")[0]
 
 
 def test_pass_curve_is_the_unbiased_estimator():
@@ -90,14 +121,16 @@ def test_unknown_arm_is_a_clear_error(tmp_path):
 
 
 def test_tiny_experiment_renders_every_arm_and_resumes(tmp_path):
-    out, work = tmp_path / "out", tmp_path / "work"
-    args = ["--out", str(out), "--work", str(work), "--tiny", "--sweep"]  # conftest's compile cache keeps it fast
-    reproduce.main(args)
+    out, work, records = tmp_path / "out", tmp_path / "work", tmp_path / "records"
+    args = ["--out", str(out), "--work", str(work), "--tiny", "--sweep", "--records", str(records)]
+    reproduce.main(args)  # conftest's compile cache keeps it fast
     arms = list(reproduce.arms_module().ARMS)
     text = (out / "RESULTS.md").read_text()
     for arm in arms:
         assert f"| {arm} | 1 |" in text, arm
-    assert "| base (SFT) |" in text and "## Branch sweep" in text
+    assert "| base (SFT) |" in text and "## Branch sweep" in text and "## Guide activity" in text
+    assert "Holm-adjusted over all" in text and "Minimum detectable effect" in text
+    assert "quantile of the SFT base's token entropies" in text
     for png in ("pass_at_k_countdown.png", "pass_at_k_countdown_ood.png", "training_curves.png",
                 "strategy_shares.png", "sweep_heatmap.png"):
         assert (out / png).stat().st_size > 1000, png
@@ -105,7 +138,20 @@ def test_tiny_experiment_renders_every_arm_and_resumes(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert set(results["aggregate"]) == set(arms)
     assert len(results["aggregate"]["grpo"]["countdown/curve"][0]) == 8  # pass@k for k = 1..n
-    assert len(results["sweep"]) == 2
+    # tau from the base's entropies: the cross through the paper-form arm's (gamma 0.3, tau) reuses its runs
+    tau = results["meta"]["tau"]["tau"]
+    assert tau == worklist.tau_at(json.loads((work / "tiny" / "base" / "record.json").read_text())["entropy"], 0.8)
+    assert len(results["sweep"]) == 3 and f"gamma=0.3,tau={tau}" in results["sweep"]
+    assert not (work / "tiny" / "sweep" / f"gamma0.3_tau{tau}").exists()
+    for name in ("grpo_branch", "grpo_branch_paper"):  # the guide's activity is logged per step
+        rec = json.loads((work / "tiny" / "runs" / name / "seed0" / "record.json").read_text())
+        assert all(v is not None for k in ("q_active", "q_p90", "q_mean") for v in rec["curves"][k])
+        assert rec["base_checksum"]
+    rec = json.loads((work / "tiny" / "runs" / "grpo_top_entropy" / "seed0" / "record.json").read_text())
+    assert all(0.1 < v < 0.4 for v in rec["curves"]["pg_token_frac"])  # ~20% of the tokens get policy gradient
+    # every finished run's record is kept, small, under --records
+    kept = records / "tiny" / "runs" / "grpo_kl_cov" / "seed0" / "record.json"
+    assert kept.stat().st_size < 60_000 and (records / "tiny" / "base" / "record.json").exists()
 
     # --report-only renders from the finished runs alone
     reproduce.main(["--out", str(tmp_path / "again"), "--work", str(work), "--tiny", "--report-only"])
@@ -116,9 +162,30 @@ def test_tiny_experiment_renders_every_arm_and_resumes(tmp_path):
     stamp = record.stat().st_mtime_ns
     reproduce.main(args)
     assert record.stat().st_mtime_ns == stamp
+    # a later session with a fresh --work but the committed --records retrains only the base and reruns nothing
+    fresh = tmp_path / "fresh"
+    stamp = kept.stat().st_mtime_ns
+    reproduce.main(["--out", str(tmp_path / "later"), "--work", str(fresh), "--tiny", "--sweep", "--records",
+                    str(records)])
+    assert kept.stat().st_mtime_ns == stamp and not (fresh / "tiny" / "runs").exists()
     # and refuses to mix runs made with other settings
     with pytest.raises(ValueError, match="different settings"):
         reproduce.main(args + ["--config.optim.lr=0.5"])
+
+
+def test_study_budget_seeds_per_arm():
+    mod = reproduce.arms_module()
+    assert all(mod.SEEDS_PER_ARM[a] >= 10 for a in ("grpo", "grpo_branch", "grpo_branch_paper", "grpo_rkl"))
+    assert min(mod.SEEDS_PER_ARM.values()) >= 5 and set(mod.SEEDS_PER_ARM) <= set(mod.ARMS)
+    base = reproduce.load_config("grpo", "study")
+    todo = reproduce.jobs(list(mod.SEEDS_PER_ARM), base.experiment.seeds, True, base, "study", [], "/w/study",
+                          "/r", tau=0.5, sweep_taus=[0.4, 0.5, 0.6])
+    count = lambda arm: sum(1 for j in todo if j.bucket == "arms" and j.key == arm)
+    assert count("grpo_branch_paper") == 10 and count("grpo_entropy") == 5
+    assert all(j.config.loss.tau == 0.5 for j in todo if j.bucket == "arms" and j.config.loss.guide == "branch")
+    sweep = {j.key for j in todo if j.bucket == "sweep"}  # gamma 0.1, 0.3, 1.0 at tau 0.5; tau 0.4, 0.6 at 0.3
+    assert sweep == {(0.1, 0.5), (0.3, 0.5), (1.0, 0.5), (0.3, 0.4), (0.3, 0.6)}
+    assert todo[0].mirror == "/r/study/runs/grpo/seed0/record.json"
 
 
 def test_claim_lets_one_process_run_a_directory(tmp_path):
@@ -132,3 +199,31 @@ def test_claim_lets_one_process_run_a_directory(tmp_path):
     (tmp_path / "run" / "claim.pid").write_text("999999999")  # a process that is gone: a stale claim is taken over
     with reproduce.claim(run_dir) as stale:
         assert stale
+
+
+def test_regime_search_smoke_records_every_candidate_and_why(tmp_path):
+    from sage_jax.experiments import regime
+    out = tmp_path / "regime.md"
+    regime.main(["--out", str(out), "--work", str(tmp_path / "work"), "--tiny", "--seeds", "2",
+                 "--candidates", "round1,steps200_skew"])
+    text = out.read_text()
+    assert "| round1 |" in text and "| steps200_skew |" in text and ("Selected:" in text or "No candidate" in text)
+    found = json.loads((tmp_path / "regime.json").read_text())
+    assert set(found["candidates"]) == {"round1", "steps200_skew"}
+    for r in found["candidates"].values():
+        assert r["seeds"] == 2 and (r["reason"].startswith("kept") or r["reason"].startswith("dropped"))
+    # the skewed base is another base; the round-1 candidate keeps the study budget's
+    prints = {r["base_fingerprint"] for r in found["candidates"].values()}
+    assert len(prints) == 2
+
+
+def test_regime_verdicts():
+    from sage_jax.experiments import regime
+    base = {"countdown/pass@1": 0.30, "countdown/distinct": 1.5, "countdown/pass@8": 0.8}
+    run = lambda p1, d: {"countdown/pass@1": p1, "countdown/distinct": d, "countdown/pass@8": 0.8}
+    assert regime.verdict(base, [run(0.40, 1.2), run(0.41, 1.3), run(0.42, 1.1)], 8)["kept"]
+    assert not regime.verdict(base, [run(0.40, 1.2), run(0.42, 1.3)], 8)["kept"]  # 2 seeds: t_{0.975,1} = 12.7
+    assert "below 0.05" in regime.verdict(base, [run(0.31, 1.2), run(0.33, 1.3), run(0.32, 1.2)], 8)["reason"]
+    assert "includes 0" in regime.verdict(base, [run(0.20, 1.2), run(0.60, 1.3), run(0.40, 1.2)], 8)["reason"]
+    assert "no collapse" in regime.verdict(base, [run(0.40, 1.6), run(0.41, 1.7), run(0.42, 1.6)], 8)["reason"]
+    assert "one seed" in regime.verdict(base, [run(0.40, 1.2)], 8)["reason"]

@@ -72,5 +72,6 @@ def training_curves(workdir: str) -> dict[str, list]:
                     by_step.setdefault(int(record["step"]), {}).update(record)
     steps = sorted(by_step)
     names = {"entropy": "rl/entropy", "reward": "rl/reward", "accuracy": "rl/accuracy", "kl": "rl/kl",
-             "kl_ref": "rl/kl_ref", "q_mean": "sage/q_mean", "step_s": "time/step_s"}
+             "kl_ref": "rl/kl_ref", "q_mean": "sage/q_mean", "q_p90": "sage/q_p90", "q_active": "sage/q_active",
+             "kl_cov": "loss/kl_cov", "pg_token_frac": "rl/pg_token_frac", "step_s": "time/step_s"}
     return {"step": steps, **{k: [by_step[s].get(v) for s in steps] for k, v in names.items()}}

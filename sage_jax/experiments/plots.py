@@ -7,8 +7,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-# Left panel: GRPO and its anchor/guide variants; right panel: the DAPO/BNPO pairs (GRPO repeated for reference).
-FAMILIES = (("grpo", "grpo_nokl", "fkl", "grpo_random", "grpo_token", "grpo_branch"),
+# Panels: GRPO with its anchors and guides; the entropy-based peers; the DAPO/BNPO pairs (GRPO repeated in each).
+FAMILIES = (("grpo", "grpo_rkl", "grpo_nokl", "fkl", "grpo_random", "grpo_token", "grpo_branch", "grpo_branch_paper"),
+            ("grpo", "grpo_entropy", "grpo_top_entropy", "grpo_kl_cov", "grpo_branch", "grpo_branch_paper"),
             ("grpo", "dapo", "dapo_branch", "bnpo", "bnpo_branch"))
 
 
@@ -25,7 +26,7 @@ def _color(arm: str, arms: Sequence[str]):
 
 
 def _style(arm: str) -> dict[str, Any]:
-    return {"linestyle": "-" if arm.endswith("branch") else "--" if arm == "grpo" else ":", "linewidth": 1.6}
+    return {"linestyle": "-" if "branch" in arm else "--" if arm == "grpo" else ":", "linewidth": 1.6}
 
 
 def _band(ax, x, mean, half, color, label, **style):
@@ -101,15 +102,16 @@ def smooth(values: Sequence[float | None], window: int) -> list[float]:
 
 
 def training(curves: Mapping[str, Sequence[Mapping[str, Sequence]]], path: str) -> None:
-    """Entropy and reward over RL steps (trailing moving average over ~10% of the steps): mean over seeds with a
-    95% band, one column per family."""
+    """Entropy, reward and the guide's q_mean over RL steps (trailing moving average over ~10% of the steps): mean
+    over seeds with a 95% band, one column per family."""
     from sage_jax.experiments.stats import mean_ci
     plt = _plt()
     arms = list(curves)
     fams = _families(arms)
-    fig, axes = plt.subplots(2, len(fams), figsize=(6 * len(fams), 6), squeeze=False, sharex=True)
+    names = ("entropy", "reward", "q_mean")
+    fig, axes = plt.subplots(len(names), len(fams), figsize=(6 * len(fams), 8.5), squeeze=False, sharex=True)
     for col, fam in enumerate(fams):
-        for row, name in enumerate(("entropy", "reward")):
+        for row, name in enumerate(names):
             ax = axes[row, col]
             window = 1
             for arm in fam:
@@ -122,10 +124,11 @@ def training(curves: Mapping[str, Sequence[Mapping[str, Sequence]]], path: str) 
                 pairs = [mean_ci([s[i] for s in smoothed]) for i in range(length)]
                 _band(ax, runs[0]["step"][:length], [p[0] for p in pairs], [p[1] for p in pairs],
                       _color(arm, arms), arm, **_style(arm))
-            ax.set_ylabel({"entropy": "policy entropy (nats/token)", "reward": "train reward"}[name]
+            ax.set_ylabel({"entropy": "policy entropy (nats/token)", "reward": "train reward",
+                           "q_mean": "guide q_mean (1 = no guide)"}[name]
                           + (f"\n{window}-step moving average" if window > 1 else ""))
             ax.grid(alpha=0.3)
-        axes[1, col].set_xlabel("RL step")
+        axes[-1, col].set_xlabel("RL step")
         axes[0, col].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -10,12 +10,15 @@ import numpy as np
 
 from sage_jax import evaluation
 from sage_jax.experiments import plots
-from sage_jax.experiments.stats import aggregate, fmt, paired_difference, summarize_run
+from sage_jax.experiments.stats import aggregate, fmt, holm, paired_diffs, paired_test, summarize_run
 from sage_jax.rewards import countdown
 
 SPLIT_NAMES = {"countdown": "held-out (ID)", "countdown_ood": "OOD (wider number range)"}
-PAIRS = (("grpo_branch", "grpo"), ("dapo_branch", "dapo"), ("bnpo_branch", "bnpo"), ("grpo_token", "grpo"),
-         ("grpo_random", "grpo"), ("fkl", "grpo"), ("grpo_nokl", "grpo"))
+# each arm against its baseline: the paper-form Branch against GRPO with the same (k1-in-reward) anchor
+PAIRS = (("grpo_branch", "grpo"), ("grpo_branch_paper", "grpo_rkl"), ("grpo_rkl", "grpo"), ("grpo_token", "grpo"),
+         ("grpo_random", "grpo"), ("fkl", "grpo"), ("grpo_nokl", "grpo"), ("grpo_entropy", "grpo"),
+         ("grpo_top_entropy", "grpo"), ("grpo_kl_cov", "grpo"), ("dapo_branch", "dapo"), ("bnpo_branch", "bnpo"))
+ACTED_TOL = 0.01  # a guided arm whose q_mean over training stays within 1% of 1 did not act
 CI_NOTE = ("Cells are mean ± half-width of the 95% Student-t interval over seeds (t_{0.975, s-1} · sd / √s, sd "
            "with ddof 1); a cell without ± comes from one seed (no interval). The base row is one evaluation of the "
            "shared SFT model.")
@@ -115,16 +118,89 @@ def _share_table(rows: Mapping[str, Mapping[str, tuple[float, float]]]) -> str:
                   [[name] + [fmt(*row[s]) for s in countdown.STRATEGIES] for name, row in rows.items()])
 
 
-def _pairs_table(results: Mapping[str, Any], splits: Sequence[str], n: int) -> str:
-    keys = [(f"{splits[0]}/pass@1", "ID pass@1"), (f"{splits[0]}/pass@{n}", f"ID pass@{n}"),
+def _pair_keys(splits: Sequence[str], n: int) -> list[tuple[str, str]]:
+    return [(f"{splits[0]}/pass@1", "ID pass@1"), (f"{splits[0]}/pass@{n}", f"ID pass@{n}"),
             (f"{splits[-1]}/pass@1", "OOD pass@1"), (f"{splits[-1]}/pass@{n}", f"OOD pass@{n}"),
             (f"{splits[0]}/distinct", "ID distinct")]
-    rows = []
-    per_seed = results["per_seed"]
+
+
+def paired_comparisons(results: Mapping[str, Any], splits: Sequence[str], n: int) -> list[dict[str, Any]]:
+    """Every (pair, metric) paired-by-seed test, with Holm-adjusted p-values over all of them."""
+    per_seed, rows = results["per_seed"], []
     for a, b in PAIRS:
         if a in per_seed and b in per_seed:
-            rows.append([f"{a} − {b}"] + [_signed(*paired_difference(per_seed[a], per_seed[b], k)) for k, _ in keys])
-    return _table(["pair (same seeds)"] + [label for _, label in keys], rows) if rows else ""
+            for key, label in _pair_keys(splits, n):
+                rows.append({"pair": (a, b), "metric": label,
+                             **paired_test(paired_diffs(per_seed[a], per_seed[b], key))})
+    for row, p_holm in zip(rows, holm([r["p"] for r in rows])):
+        row["p_holm"] = p_holm
+    return rows
+
+
+def _diff_cell(r: Mapping[str, Any]) -> str:
+    if math.isnan(r["mean"]):
+        return "–"
+    text = f"{r['mean']:+.3f}" + ("" if math.isnan(r["half"]) else f" ± {r['half']:.3f}")
+    if not math.isnan(r["p_holm"]):
+        text += f" (p {r['p_holm']:.2f})" + (" *" if r["p_holm"] < 0.05 else "")
+    return text + ("" if r["n"] > 1 else " (1 seed)")
+
+
+def _pairs_tables(results: Mapping[str, Any], splits: Sequence[str], n: int) -> tuple[str, str, int]:
+    """(differences table, minimum-detectable-effect table, number of comparisons)."""
+    rows = paired_comparisons(results, splits, n)
+    if not rows:
+        return "", "", 0
+    labels = [label for _, label in _pair_keys(splits, n)]
+    acted = guide_activity(results)
+    by_pair: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in rows:
+        by_pair.setdefault(r["pair"], {})[r["metric"]] = r
+    name = lambda a, b: f"{a} − {b}" + (" (guide did not act)" if acted.get(a, {}).get("acted") is False else "")
+    diffs = _table(["pair (same seeds)", "seeds"] + labels,
+                   [[name(a, b), str(max(c["n"] for c in cells.values()))] + [_diff_cell(cells[l]) for l in labels]
+                    for (a, b), cells in by_pair.items()])
+    mdes = _table(["pair", "seeds"] + labels,
+                  [[f"{a} − {b}", str(max(c["n"] for c in cells.values()))]
+                   + [fmt(cells[l]["mde"]) for l in labels] for (a, b), cells in by_pair.items()])
+    return diffs, mdes, sum(1 for r in rows if not math.isnan(r["p"]))
+
+
+def guide_activity(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per guided arm: q statistics over training (mean over seeds) and, for Branch, whether it acted at all (None
+    for the noise guides, whose q_mean is 1 by design)."""
+    configs = results["meta"].get("arm_configs", {})
+    out = {}
+    for arm, runs in results["per_seed"].items():
+        guide = configs.get(arm, {}).get("guide", "none")
+        if guide == "none":
+            continue
+        q = [r.get("train/q_mean", math.nan) for r in runs.values()]
+        idle = [s for s, r in runs.items() if abs(r.get("train/q_mean", 1.0) - 1.0) < ACTED_TOL]
+        agg = results["aggregate"][arm]
+        out[arm] = {"q_mean": agg.get("train/q_mean", (math.nan, math.nan)),
+                    "q_p90": agg.get("train/q_p90", (math.nan, math.nan)),
+                    "q_active": agg.get("train/q_active", (math.nan, math.nan)),
+                    "q_mean_max": max(q) if q else math.nan, "idle_seeds": idle,
+                    "acted": (bool(q) and abs(float(np.nanmean(q)) - 1.0) >= ACTED_TOL) if guide == "branch" else None}
+    return out
+
+
+def _activity_table(results: Mapping[str, Any]) -> str:
+    rows = []
+    for arm, a in guide_activity(results).items():
+        per_run = ", ".join(f"{results['per_seed'][arm][s].get('train/q_mean', math.nan):.3f}"
+                            for s in sorted(results["per_seed"][arm]))
+        status = {True: "acted", False: "**did not act**", None: "– (zero-mean noise: the 1% rule is for Branch)"}
+        rows.append([arm, fmt(*a["q_mean"]), fmt(*a["q_p90"]), fmt(*a["q_active"]), per_run, status[a["acted"]]])
+    for arm, c in results["meta"].get("arm_configs", {}).items():
+        if c.get("kl_cov") and arm in results["per_seed"]:
+            kl = [r.get("train/kl_cov_max", 0.0) for r in results["per_seed"][arm].values()]
+            inert = c.get("updates_per_batch", 1) == 1 or max(kl) == 0.0
+            rows.append([arm, "–", "–", "–", "max loss/kl_cov " + ", ".join(f"{v:.2g}" for v in kl),
+                         "**did not act** (one update per batch: its penalty has no gradient)" if inert else "acted"])
+    return _table(["arm", "q_mean (training)", "q_p90", "share of tokens with q ≠ 1", "q_mean per run", "status"],
+                  rows) if rows else ""
 
 
 def _sweep_table(results: Mapping[str, Any], split: str, n: int) -> tuple[str, dict[str, np.ndarray], list, list]:
@@ -138,10 +214,15 @@ def _sweep_table(results: Mapping[str, Any], split: str, n: int) -> tuple[str, d
         i, j = gammas.index(cell["gamma"]), taus.index(cell["tau"])
         p1, pn = cell[f"{split}/pass@1"], cell[f"{split}/pass@{n}"]
         grids[f"pass@1 ({split})"][i, j], grids[f"pass@{n} ({split})"][i, j] = p1[0], pn[0]
+        nan2 = (math.nan, math.nan)
+        q_mean = cell.get("train/q_mean", nan2)
         rows.append([str(cell["gamma"]), str(cell["tau"]), str(cell["seeds"]), fmt(*p1), fmt(*pn),
-                     fmt(*cell.get("train/entropy_end", (math.nan, math.nan))),
-                     fmt(*cell.get(f"{split}/distinct", (math.nan, math.nan)), digits=2)])
-    table = _table(["gamma", "tau", "seeds", "pass@1", f"pass@{n}", "entropy (end)", "distinct sols / problem"], rows)
+                     fmt(*cell.get("train/entropy_end", nan2)),
+                     fmt(*cell.get(f"{split}/distinct", nan2), digits=2), fmt(*q_mean),
+                     fmt(*cell.get("train/q_p90", nan2)), fmt(*cell.get("train/q_active", nan2)),
+                     "did not act" if abs(q_mean[0] - 1.0) < ACTED_TOL else ""])
+    table = _table(["gamma", "tau", "seeds", "pass@1", f"pass@{n}", "entropy (end)", "distinct sols / problem",
+                    "q_mean", "q_p90", "q ≠ 1 share", ""], rows)
     return table, grids, gammas, taus
 
 
@@ -178,10 +259,27 @@ def write(out_dir: str, results: Mapping[str, Any]) -> str:
           "distinct correct solutions (countdown.canonical forms) among the n samples; *coverage*: that over all "
           "solutions the problem has (countdown.solve), averaged over problems. *entropy / train reward (end)*: mean "
           "of rl/entropy and rl/reward over the last 10% of RL steps.\n"]
-    pairs = _pairs_table(results, splits, n)
+    pairs, mdes, m = _pairs_tables(results, splits, n)
     if pairs:
-        md += ["## Paired differences\n", "Arm minus its baseline over the same seeds; * marks an interval that "
-               "excludes 0.\n", pairs]
+        md += ["## Paired differences\n", f"Arm minus its baseline over the same seeds: mean ± 95% t half-width of "
+               f"the per-seed differences, and in brackets the two-sided paired t-test p-value Holm-adjusted over all "
+               f"{m} comparisons in this table (pairs × metrics with at least 2 seeds); * marks Holm p < 0.05. A "
+               "pair marked *guide did not act* compares GRPO with GRPO (see Guide activity).\n", pairs,
+               "Minimum detectable effect of each comparison: (t_{0.975, s-1} + t_{0.8, s-1}) · sd / √s with the "
+               "observed sd of its paired differences over s seeds (80% power, two-sided alpha 0.05 before the Holm "
+               "correction): a true difference smaller than this would usually be missed.\n", mdes]
+    activity = _activity_table(results)
+    if activity:
+        tau = results["meta"].get("tau") or {}
+        tau_line = (f"Branch's tau = {tau['tau']} nats, the {tau['quantile']} quantile of the SFT base's token "
+                    "entropies on its own held-out samples (so about "
+                    f"{100 * (1 - tau['quantile']):.0f}% of the base's completion tokens lie above it)"
+                    if tau.get("tau") is not None else "Branch's tau is the config's loss.tau")
+        md += ["## Guide activity\n", f"{tau_line}. Per run, the mean over all RL steps of sage/q_mean, "
+               f"sage/q_p90 (90th percentile of q over each step's tokens) and sage/q_active (share of tokens with "
+               f"q ≠ 1); the cells are mean ± 95% half-width over seeds. An arm whose q_mean stays within "
+               f"{ACTED_TOL:.0%} of 1 **did not act**: its results are GRPO's, not a finding about the guide.\n",
+               activity]
     for s, fig in zip(splits, figures):
         md += [f"## pass@k, {SPLIT_NAMES.get(s, s)}\n", f"![pass@k {s}]({fig})\n", _pass_table(results, s, n)]
     md += ["## Mode coverage\n", _coverage_table(results, splits),

@@ -1,7 +1,7 @@
 """The CPU-scale SAGE comparison on countdown: one SFT base, RL with every arm and seed, evaluation, RESULTS.md.
 
-    python -m sage_jax.experiments.reproduce --out docs/results --quick       # 8.2 min measured on 2 quiet CPU cores
-    python -m sage_jax.experiments.reproduce --out docs/results               # 10 arms x 3 seeds, ~2-3 h
+    python -m sage_jax.experiments.reproduce --out DIR --quick                # 8.2 min measured on 2 quiet CPU cores
+    python -m sage_jax.experiments.reproduce --out DIR                        # every arm x 3 seeds
     python -m sage_jax.experiments.reproduce --out DIR --sweep                # + Branch gamma x tau grid
 
 Everything runs in this one process (compiled sampler and log-prob programs are shared between runs, and a persistent
@@ -12,7 +12,11 @@ sweep/gammaG_tauT/seedK/, each finished run holding record.json; rerunning the c
 resumes the rest, and --report-only renders whatever has finished. Two processes started with the same command (on
 a machine with cores to spare) split the runs between them through a claim file in each run directory; start the
 second once the base has finished, and render the report with --report-only when both are done. --out gets only
-RESULTS.md, results.json, PNGs.
+RESULTS.md, results.json, PNGs. --records DIR (the study uses docs/results/runs) keeps a copy of every finished
+run's small record.json under DIR/BUDGET/..., the same layout: commit it, and a later session (with a fresh --work)
+skips those runs and reports them; it retrains only the base (same settings; its parameter checksum is compared).
+Under the study budget each arm gets configs/countdown_arms.SEEDS_PER_ARM seeds and, with experiment.tau_quantile,
+Branch's tau is that quantile of the base's token entropies on its own samples (entropy_profile).
 Arms and budgets live in configs/countdown_arms.py; `--config.key=value` overrides apply to every arm.
 """
 
@@ -36,27 +40,12 @@ import numpy as np
 from sage_jax import config as config_lib
 from sage_jax import evaluation, rollouts, supervised, tasks, train_state, trainer
 from sage_jax.experiments import measure, report, text
+from sage_jax.experiments.worklist import Job, arms_module, branch_taus, jobs, load_config
 from sage_jax.rewards import countdown
 
-ROOT = Path(__file__).resolve().parents[2]
-CONFIG_FILE = ROOT / "configs" / "countdown_arms.py"
 SPLITS = ("countdown", "countdown_ood")
 BASE_SECTIONS = ("model", "data", "sft", "eval", "seed")  # config sections a finished base / run must match
 RUN_SECTIONS = BASE_SECTIONS + ("rollout", "loss", "optim", "train")
-
-
-def arms_module():
-    config_lib.load_file(f"{CONFIG_FILE}:grpo")  # puts the repository root on sys.path for `configs`
-    from configs import countdown_arms
-    return countdown_arms
-
-
-def load_config(arm: str, budget: str, overrides: Sequence[str] = (), seed: int = 0, **loss: float):
-    config = config_lib.load(f"{CONFIG_FILE}:{arm},{budget}", overrides)
-    config.seed = seed
-    for key, value in loss.items():
-        config.loss[key] = value
-    return config
 
 
 def fingerprint(config, sections: Sequence[str]) -> str:
@@ -126,7 +115,14 @@ def entropy_profile(task, cfg, params, config, taus: Sequence[float]) -> dict[st
     ent = np.asarray(entropy_NxC)[batch["completion_mask"] > 0]
     qs = (0.5, 0.75, 0.9, 0.95, 0.99)
     return {"mean": float(ent.mean()), "quantiles": {str(q): float(v) for q, v in zip(qs, np.quantile(ent, qs))},
-            "frac_above": {str(t): float((ent > t).mean()) for t in taus}, "tokens": int(ent.size)}
+            "frac_above": {str(t): float((ent > t).mean()) for t in taus}, "tokens": int(ent.size),
+            "grid": [float(v) for v in np.quantile(ent, np.linspace(0.0, 1.0, 101))]}  # quantiles 0, 0.01, ..., 1
+
+
+def params_checksum(params) -> str:
+    """A short fingerprint of parameter values: tells whether a retrained base is the one earlier runs used."""
+    leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(params)]
+    return f"{sum(float(x.sum()) for x in leaves):.10e}/{sum(float(np.abs(x).sum()) for x in leaves):.10e}"
 
 
 # --------------------------------------------------------------------------------------------------- runs
@@ -164,6 +160,7 @@ def _train_base(task, config, work: str, command: str, path: str, fp: str) -> tu
     record = {"fingerprint": fp, "command": command, "eval": evals, "curves": {}, "sft_steps": config.sft.steps,
               "demo_shares": {s: c / len(demos) for s, c in demo_counts.items()},
               "entropy": entropy_profile(task, cfg, params, config, config.experiment.sweep_taus),
+              "params_checksum": params_checksum(host_params),
               "times": {"sft_wall_s": sft_s, "sft_cpu_s": sft_cpu, "eval_wall_s": time.perf_counter() - t1}}
     evaluation.write_json(path, record)
     del params
@@ -171,11 +168,13 @@ def _train_base(task, config, work: str, command: str, path: str, fp: str) -> tu
     return cfg, host_params, record
 
 
-def finished(config, run_dir: str) -> dict[str, Any] | None:
-    """The record of a finished run made with this config, None if there is none."""
-    path = os.path.join(run_dir, "record.json")
-    record = _read(path)
-    return None if record is None else _check_same(record, fingerprint(config, RUN_SECTIONS), path)
+def finished(config, run_dir: str, mirror: str | None = None) -> dict[str, Any] | None:
+    """The record of a finished run made with this config (in run_dir, else its --records copy), None if none."""
+    for path in (os.path.join(run_dir, "record.json"), mirror):
+        record = _read(path) if path else None
+        if record is not None:
+            return _check_same(record, fingerprint(config, RUN_SECTIONS), path)
+    return None
 
 
 @contextlib.contextmanager
@@ -210,21 +209,22 @@ def claim(run_dir: str) -> Iterator[bool]:
     yield False
 
 
-def run_one(task, config, base_params, run_dir: str, label: str, command: str = "") -> dict[str, Any] | None:
-    """RL from the base with `config` in run_dir (resumable), then the evaluation; the run's record (None when
-    another process is running it)."""
-    record = finished(config, run_dir)
+def run_one(task, job: Job, base_params, command: str = "", base_checksum: str = "") -> dict[str, Any] | None:
+    """RL from the base with the job's config (resumable), then the evaluation; the run's record (None when another
+    process is running it)."""
+    record = finished(job.config, job.run_dir, job.mirror)
     if record is not None:
         return record
-    with claim(run_dir) as mine:
+    with claim(job.run_dir) as mine:
         if not mine:
-            print(f"[{label}] another process is running it; skipped here", flush=True)
+            print(f"[{job.label}] another process is running it; skipped here", flush=True)
             return None
-        record = finished(config, run_dir)  # it may have finished between the check and the claim
-        return record if record is not None else _run_one(task, config, base_params, run_dir, label, command)
+        record = finished(job.config, job.run_dir, job.mirror)  # it may have finished between check and claim
+        return record if record is not None else _run_one(task, job, base_params, command, base_checksum)
 
 
-def _run_one(task, config, base_params, run_dir: str, label: str, command: str) -> dict[str, Any]:
+def _run_one(task, job: Job, base_params, command: str, base_checksum: str) -> dict[str, Any]:
+    config, run_dir = job.config, job.run_dir
     t0, c0 = time.perf_counter(), time.process_time()
     result = trainer.run_rl(config, run_dir, task=task, params_override=base_params)
     train_s, train_cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -235,69 +235,80 @@ def _run_one(task, config, base_params, run_dir: str, label: str, command: str) 
     steps = [s for s in curves["step_s"][1:] if s is not None]
     times = {"train_wall_s": train_s, "train_cpu_s": train_cpu, "eval_wall_s": time.perf_counter() - t1,
              "step_s": statistics.median(steps) if steps else float("nan")}
-    record = {"fingerprint": fingerprint(config, RUN_SECTIONS), "command": command, "label": label,
-              "seed": config.seed, "eval": evals, "curves": curves, "times": times}
-    evaluation.write_json(os.path.join(run_dir, "record.json"), record)
+    record = {"fingerprint": fingerprint(config, RUN_SECTIONS), "command": command, "label": job.label,
+              "seed": config.seed, "base_checksum": base_checksum, "eval": evals, "curves": curves, "times": times}
+    for path in (os.path.join(run_dir, "record.json"), job.mirror):
+        if path:
+            evaluation.write_json(path, record)
     ev = report.summarize_run(record)
     n = config.eval.n
-    print(f"[{label}] RL {config.train.steps} steps {train_s:.0f}s, eval {record['times']['eval_wall_s']:.0f}s | "
+    print(f"[{job.label}] RL {config.train.steps} steps {train_s:.0f}s, eval {times['eval_wall_s']:.0f}s | "
           f"ID pass@1 {ev['countdown/pass@1']:.3f} pass@{n} {ev[f'countdown/pass@{n}']:.3f} | "
           f"OOD pass@1 {ev['countdown_ood/pass@1']:.3f} pass@{n} {ev[f'countdown_ood/pass@{n}']:.3f}", flush=True)
     return record
 
 
-def jobs(arms, seeds: int, sweep: bool, base_config, budget: str, overrides, work: str):
-    """(bucket, key, seed, config, run_dir, label) for every run, seed-major (an interrupted experiment has every arm
-    at the first seeds), then the sweep cells."""
-    out = []
-    for seed in range(seeds):
-        for arm in arms:
-            out.append(("arms", arm, seed, load_config(arm, budget, overrides, seed=seed),
-                        os.path.join(work, "runs", arm, f"seed{seed}"), f"{arm} seed{seed}"))
-    if sweep:
-        for gamma in base_config.experiment.sweep_gammas:
-            for tau in base_config.experiment.sweep_taus:
-                for seed in range(min(seeds, base_config.experiment.sweep_seeds)):
-                    out.append(("sweep", (gamma, tau), seed,
-                                load_config("grpo_branch", budget, overrides, seed=seed, gamma=gamma, tau=tau),
-                                os.path.join(work, "sweep", f"gamma{gamma}_tau{tau}", f"seed{seed}"),
-                                f"branch gamma={gamma} tau={tau} seed{seed}"))
-    return out
+def _base_record(work: str, records: str | None, base_config) -> dict[str, Any]:
+    """The finished base's record from --work, else from --records (report-only from committed records)."""
+    for path in (os.path.join(work, "base", "record.json"),
+                 os.path.join(records, os.path.basename(work), "base", "record.json") if records else None):
+        if path and (record := _read(path)) is not None:
+            return _check_same(record, fingerprint(base_config, BASE_SECTIONS), path)
+    raise FileNotFoundError(f"no finished base in {work}/base" + (f" or {records}" if records else "")
+                            + ": run without --report-only first")
+
+
+def _mirror_base(record: dict[str, Any], work: str, records: str | None) -> None:
+    if not records:
+        return
+    path = os.path.join(records, os.path.basename(work), "base", "record.json")
+    kept = _read(path)
+    if kept is None:
+        evaluation.write_json(path, record)
+    elif kept.get("params_checksum") != record.get("params_checksum"):
+        print(f"[base] WARNING: this base's parameters differ from those of {path} (checksum "
+              f"{record.get('params_checksum')} vs {kept.get('params_checksum')}): runs recorded there started "
+              "from another base; the report counts the bases its runs came from", flush=True)
 
 
 def run_experiment(out: str, work: str, budget: str, seeds: int | None, arms: Sequence[str], sweep: bool,
-                   overrides: Sequence[str], command: str, report_only: bool = False) -> dict[str, Any]:
+                   overrides: Sequence[str], command: str, report_only: bool = False,
+                   records: str | None = None) -> dict[str, Any]:
     t_start, c_start, load_start = time.perf_counter(), time.process_time(), os.getloadavg()
     work = os.path.join(work, budget)
     base_config = load_config("grpo", budget, overrides)
     seeds = seeds or base_config.experiment.seeds
-    todo = jobs(arms, seeds, sweep, base_config, budget, overrides, work)
-    found: dict[str, dict[Any, dict[int, Any]]] = {"arms": {arm: {} for arm in arms}, "sweep": {}}
     if report_only:  # whatever has finished, nothing new
-        path = os.path.join(work, "base", "record.json")
-        base_record = _read(path)
-        if base_record is None:
-            raise FileNotFoundError(f"no finished base in {os.path.dirname(path)}: run without --report-only first")
-        _check_same(base_record, fingerprint(base_config, BASE_SECTIONS), path)
+        base_record = _base_record(work, records, base_config)
     else:
         sft_task, rl_task = split_task(tasks.build(base_config), base_config.experiment.sft_problems)
         # the task is built once from the base config: tasks.build draws the problems from config.seed, which
         # would tie the problem sets to the RL seed, so config.seed keys only sampling, guides and prompt order
         _, base_params, base_record = train_base(sft_task, base_config, work, command)
-        for *_, config, run_dir, label in todo:
-            run_one(rl_task, config, base_params, run_dir, label, command)
+        _mirror_base(base_record, work, records)
+    tau, sweep_taus = branch_taus(base_config, base_record)
+    todo = jobs(arms, seeds, sweep, base_config, budget, overrides, work, records, tau, sweep_taus)
+    if not report_only:
+        for job in todo:
+            run_one(rl_task, job, base_params, command, base_record.get("params_checksum", ""))
     # every finished run, this process's or another's (runs another process still holds are left out)
-    for bucket, key, seed, config, run_dir, _ in todo:
-        if (record := finished(config, run_dir)) is not None:
-            found[bucket].setdefault(key, {})[seed] = record
-    records = {arm: runs for arm, runs in found["arms"].items() if runs}
-    if not records:
+    found: dict[str, dict[Any, dict[int, Any]]] = {"arms": {arm: {} for arm in arms}, "sweep": {}}
+    for job in todo:
+        if (record := finished(job.config, job.run_dir, job.mirror)) is not None:
+            found[job.bucket].setdefault(job.key, {})[job.seed] = record
+    runs = {arm: by_seed for arm, by_seed in found["arms"].items() if by_seed}
+    if not runs:
         raise ValueError(f"no finished runs under {work} for arms {', '.join(arms)}")
     wall, cpu = time.perf_counter() - t_start, time.process_time() - c_start
-    meta = text.meta(base_config, budget, seeds, list(records), sweep,
-                     min(seeds, base_config.experiment.sweep_seeds), command, base_record, records, found["sweep"],
+    meta = text.meta(base_config, budget, seeds, list(runs), sweep,
+                     min(seeds, base_config.experiment.sweep_seeds), command, base_record, runs, found["sweep"],
                      wall, cpu, (load_start, os.getloadavg()), arms_module(), load_config("grpo", "full"))
-    results = report.build(base_record, records, found["sweep"], meta)
+    meta["tau"] = {"tau": tau, "quantile": base_config.experiment.tau_quantile, "sweep_taus": sweep_taus}
+    updates = lambda optim: optim.num_iterations * optim.mini_batches
+    meta["arm_configs"] = {job.key: {"guide": job.config.loss.guide, "kl_cov": job.config.loss.kl_cov_ratio > 0,
+                                     "updates_per_batch": updates(job.config.optim)}
+                           for job in todo if job.bucket == "arms"}
+    results = report.build(base_record, runs, found["sweep"], meta)
     report.write(out, results)
     print(f"wrote {os.path.join(out, 'RESULTS.md')} ({wall / 60:.1f} min wall, {cpu / 60:.1f} min CPU)", flush=True)
     return results
@@ -311,9 +322,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--work", default="/tmp/sage_reproduce", help="checkpoints and run records (resumable)")
     parser.add_argument("--quick", action="store_true", help="the ~15-minute budget (1 seed, smaller eval)")
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--budget", choices=("tiny", "quick", "full"), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--budget", choices=("tiny", "quick", "full", "study"), default=None,
+                        help="a budget of configs/countdown_arms.py (study: round 2, SEEDS_PER_ARM)")
+    parser.add_argument("--records", default=None,
+                        help="also keep each finished run's record.json here (commit it; later sessions resume)")
     parser.add_argument("--seeds", type=int, default=None, help="RL seeds per arm (default: the budget's)")
-    parser.add_argument("--arms", default="", help="comma-separated subset of the arms (default: all)")
+    parser.add_argument("--arms", default="", help="comma-separated subset of the arms (default: all; STUDY: "
+                        "countdown_arms.SEEDS_PER_ARM's)")
     parser.add_argument("--sweep", action="store_true", help="also run the Branch gamma x tau grid")
     parser.add_argument("--report-only", action="store_true",
                         help="render RESULTS.md from the finished runs under --work; train nothing")
@@ -323,6 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     budget = args.budget or ("tiny" if args.tiny else "quick" if args.quick else "full")
     known = list(arms_module().ARMS)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()] or known
+    if arms == ["STUDY"]:
+        arms = list(arms_module().SEEDS_PER_ARM)
     unknown = [a for a in arms if a not in known]
     if unknown:
         raise ValueError(f"--arms: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
@@ -332,7 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     cache = args.compile_cache or os.path.join(args.work, "jax_cache")
     if cache != "off" and not jax.config.jax_compilation_cache_dir:
         use_compile_cache(cache)
-    run_experiment(args.out, args.work, budget, args.seeds, arms, args.sweep, overrides, command, args.report_only)
+    run_experiment(args.out, args.work, budget, args.seeds, arms, args.sweep, overrides, command, args.report_only,
+                   args.records)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Statistics over runs: mean and 95% t-interval over seeds, and a run's scalar summary from its raw counts."""
+"""Statistics over runs: mean and 95% t-interval over seeds, a run's scalar summary from its raw counts, paired
+t-tests with Holm's correction and the minimum detectable effect."""
 
 from __future__ import annotations
 
@@ -79,6 +80,11 @@ def summarize_run(record: Mapping[str, Any]) -> dict[str, Any]:
         if curves.get(name):
             out[f"train/{name}_start"] = _tail_mean(curves[name][:max(1, len(curves[name]) // 10)], 1.0)
             out[f"train/{name}_end"] = _tail_mean(curves[name], 0.1)
+    for name in ("q_mean", "q_p90", "q_active"):  # the guide's activity, averaged over all of training
+        if curves.get(name):
+            out[f"train/{name}"] = _tail_mean(curves[name], 1.0)
+    if curves.get("kl_cov"):
+        out["train/kl_cov_max"] = float(max(abs(v) for v in curves["kl_cov"] if v is not None))
     return out
 
 
@@ -98,5 +104,76 @@ def aggregate(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def paired_difference(a: Mapping[int, Mapping[str, Any]], b: Mapping[int, Mapping[str, Any]], key: str
                       ) -> tuple[float, float, int]:
     """a - b on key over the seeds both ran (same seed = same RL sampling noise): mean, 95% t half-width, count."""
-    diffs = [a[s][key] - b[s][key] for s in sorted(set(a) & set(b)) if key in a[s] and key in b[s]]
+    diffs = paired_diffs(a, b, key)
     return (*mean_ci(diffs), len(diffs))
+
+
+# --------------------------------------------------------------------------------------------------- tests, power
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """Regularised incomplete beta I_x(a, b) by its continued fraction (modified Lentz), for the t distribution."""
+    if x <= 0.0 or x >= 1.0:
+        return 0.0 if x <= 0.0 else 1.0
+    if x > (a + 1.0) / (a + b + 2.0):  # the fraction converges fast on this side only
+        return 1.0 - _betainc(b, a, 1.0 - x)
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    f = d
+    for m in range(1, 300):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            f *= c * d
+        if abs(c * d - 1.0) < 1e-14:
+            break
+    return math.exp(log_front) * f / a
+
+
+def t_cdf(t: float, df: int) -> float:
+    """P(T <= t) for Student's t with df degrees of freedom."""
+    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
+    return 1.0 - tail if t >= 0 else tail
+
+
+def t_ppf(p: float, df: int) -> float:
+    """The p-quantile of Student's t (bisection on t_cdf)."""
+    lo, hi = -1e3, 1e3
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+def paired_test(diffs: Sequence[float]) -> dict[str, float]:
+    """Paired t-test of mean(diffs) = 0: mean, 95% half-width (as mean_ci), sd, n, two-sided p, and the minimum
+    detectable effect at 80% power and alpha 0.05, (t_{0.975, n-1} + t_{0.8, n-1}) * sd / sqrt(n)."""
+    x = np.asarray(diffs, np.float64)
+    n = int(x.size)
+    mean, half = mean_ci(x.tolist())
+    if n < 2:
+        return {"mean": mean, "half": half, "sd": math.nan, "n": n, "p": math.nan, "mde": math.nan}
+    sd = float(x.std(ddof=1))
+    se = sd / math.sqrt(n)
+    p = 1.0 if se == 0 and mean == 0 else 0.0 if se == 0 else 2.0 * (1.0 - t_cdf(abs(mean) / se, n - 1))
+    mde = (t_ppf(0.975, n - 1) + t_ppf(0.8, n - 1)) * se
+    return {"mean": mean, "half": half, "sd": sd, "n": n, "p": p, "mde": mde}
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm-Bonferroni adjusted p-values (NaN entries stay NaN and do not count as comparisons)."""
+    idx = [i for i, p in enumerate(p_values) if not math.isnan(p)]
+    order = sorted(idx, key=lambda i: p_values[i])
+    m, out, running = len(order), [math.nan] * len(p_values), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        out[i] = running
+    return out
+
+
+def paired_diffs(a: Mapping[int, Mapping[str, Any]], b: Mapping[int, Mapping[str, Any]], key: str) -> list[float]:
+    return [a[s][key] - b[s][key] for s in sorted(set(a) & set(b)) if key in a[s] and key in b[s]]

@@ -134,9 +134,10 @@ def _timing(config, full, est, base_t, all_runs, command: str, wall: float, cpu:
               f"RL {rl_s:.0f} s + eval {ev_s:.0f} s over {len(all_runs)} runs.")
     if est:
         timing += (
-            f"\n\nEstimated `full` run (10 arms x {full.experiment.seeds} seeds, {full.train.steps} RL steps, "
-            f"{full.sft.steps} SFT steps, n={full.eval.n} on {full.eval.problems}+{full.experiment.ood_problems} "
-            f"problems), extrapolated from this run's measured costs (median {est['per_step_s']:.2f} s per RL step, "
+            f"\n\nEstimated `full` run ({est['rl_runs'] // full.experiment.seeds} arms x {full.experiment.seeds} "
+            f"seeds, {full.train.steps} RL steps, {full.sft.steps} SFT steps, n={full.eval.n} on "
+            f"{full.eval.problems}+{full.experiment.ood_problems} problems), extrapolated from this run's measured "
+            f"costs (median {est['per_step_s']:.2f} s per RL step, "
             f"{est['overhead_s']:.0f} s fixed per run, {est['per_row_ms']:.2f} ms per sampled eval completion): "
             f"{est['total_s'] / 3600:.1f} h at this run's speed"
             + (f", about {est['total_s'] * est['cpu_ratio'] / 3600:.1f} h on a quiet machine (the RL runs got "
@@ -159,6 +160,11 @@ def _caveats(config, seeds: int) -> str:
         "shaping is off (completions are ~10 tokens of a 24-token budget). Their logged train reward is over the "
         "kept (mixed-outcome) groups, so it reads higher than the other arms' and is not comparable with them.",
         "- BNPO here is its token-mean loss aggregation (no beta-normalised advantages).",
+        "- KL-Cov penalises |log pi - log pi_old|, which has no gradient on a batch's first (on-policy) update: with "
+        f"{config.optim.num_iterations * config.optim.mini_batches} update(s) per batch here it "
+        + ("cannot act (Guide activity marks it)." if config.optim.num_iterations * config.optim.mini_batches == 1
+           else "acts from the second update on."),
+        "- The top-entropy quantile and KL-Cov's covariance are over the rows of one loss call (one micro-batch).",
         "- The trainer draws countdown problems from config.seed; until config.data has its own seed, every run "
         "here reuses the base's problem sets (see reproduce.run_experiment), so seeds change RL randomness only."])
 
@@ -171,4 +177,8 @@ def _commands(command: str, records) -> list[str]:
                 "python -m sage_jax.experiments.reproduce --out docs/results --quick  # 1 seed, short SFT and RL",
                 "python -m sage_jax.experiments.reproduce --out DIR                  # full: 3 seeds, 80 RL steps",
                 "python -m sage_jax.experiments.reproduce --out DIR --sweep          # + Branch gamma x tau grid",
-                "python -m sage_jax.experiments.reproduce --out DIR --report-only    # render what has finished"]
+                "python -m sage_jax.experiments.reproduce --out DIR --report-only    # render what has finished",
+                "# round 2: the GRPO-only regime search, then the study (records kept for later sessions)",
+                "python -m sage_jax.experiments.regime --out docs/results/regime.md --records docs/results/runs",
+                "python -m sage_jax.experiments.reproduce --budget study --arms STUDY --sweep --out docs/results "
+                "--records docs/results/runs"]
