@@ -1,23 +1,26 @@
 """Ahead-of-time memory plan: does a config's RL step fit the chips, checked before renting them?
 
-    python -m sage_jax.plan --config configs/qwen7b_branch.py --devices 32 --chip v5p
+    python -m sage_jax.plan --config configs/qwen7b_branch.py --chip v5p --topology 2x4x4 --compiler tpu
+    python -m sage_jax.plan --config configs/qwen7b_branch.py --devices 32 --compiler cpu
     python -m sage_jax.plan --config configs/qwen7b_branch.py --devices 32 --layers 2    # quick, extrapolated
     python -m sage_jax.plan --config configs/qwen7b_branch.py --devices 32 --no-compile  # analytic only
 
-Simulates `--devices` CPU devices, builds the config's mesh and lowers the trainer's own programs on abstract inputs
-(ShapeDtypeStructs with shardings, no weights), at the worst-case shapes a step can reach:
+Builds the config's mesh and lowers the trainer's own programs on abstract inputs (ShapeDtypeStructs with
+shardings, no weights; sage_jax.plan_programs), at the worst-case shapes a step can reach:
   train_step    one update on prompts_per_step * group_size / mini_batches rows of (prompt bucket + max_new_tokens)
                 tokens, scanned over grad_accum micro-batches, state donated;
   sampler       the rollout program: prompts_per_step prompts x group_size samples, KV cache of prompt + new buckets;
-  ref_logprobs  the reference model's pass over all prompts_per_step * group_size rows at once.
+  ref_logprobs  the reference model's pass, train.logprob_rows rows at a time.
+--compiler tpu (the default when libtpu is installed) compiles them with XLA:TPU for an abstract slice of --chip
+shaped --topology, and adds sage_jax.roofline's PREDICTION of the run; --compiler cpu compiles them with XLA:CPU for
+--devices simulated devices, which only approximates a TPU (fusion, layouts, bf16 handling differ).
 A program's per-device peak is argument + output - alias + temp + code bytes (compiled.memory_analysis()); its phase
 adds what stays resident outside it (the optimizer state while sampling, ...). Parameter, optimizer, reference and
-KV-cache bytes are also computed from the shardings (shard shape x itemsize). Exit code: 0 fits, 1 does not fit,
-2 config or mesh error. A full 7B plan compiles in about a minute; `--layers N` compiles N and N + 1 layers and
-extrapolates linearly to the full depth, a rough estimate (XLA's buffer reuse is not linear in depth: for
-qwen7b_branch it was within 2% for the sampler but 16% low for the train step). `--no-compile` still compiles the
-trainer's tiny state-init program, whose output shardings are what the trainer keeps.
-CPU compiles only approximate TPU / GPU ones (fusion, layouts, bf16 handling differ): keep ~10% headroom.
+KV-cache bytes are also computed from the shardings (shard shape x itemsize). Exit code: 0 fits, 1 does not fit
+(or XLA:TPU refused a program for HBM), 2 config or mesh error. `--layers N` compiles N and N + 1 layers and
+extrapolates linearly to the full depth, a rough estimate (XLA's buffer reuse is not linear in depth; see
+docs/PERFORMANCE.md). `--no-compile` still compiles the trainer's tiny state-init program, whose output shardings
+are what the trainer keeps.
 """
 
 from __future__ import annotations
@@ -354,9 +357,13 @@ def format_report(r: dict[str, Any]) -> str:
         lines += [f"  {name:13} {_fmt(v):>11}" for name, v in r["phases"].items()]
     verdict = "fits" if r["fits"] else "DOES NOT FIT"
     bound = " at least" if r["lower_bound"] else ""
-    lines += ["", f"peak{bound} {_fmt(r['peak_bytes'])} per device ({r['peak_phase']}) vs "
-                  f"{_fmt(r['memory_bytes'])}: {verdict}, headroom {_fmt(r['headroom_bytes'])} "
-                  f"({100 * r['headroom_bytes'] / r['memory_bytes']:.0f}%)"]
+    oom = [k for k, p in r["programs"].items() if "oom" in p]
+    if oom:
+        lines += ["", f"DOES NOT FIT: XLA:TPU ran out of HBM compiling {', '.join(oom)} (see the warnings)"]
+    else:
+        lines += ["", f"peak{bound} {_fmt(r['peak_bytes'])} per device ({r['peak_phase']}) vs "
+                      f"{_fmt(r['memory_bytes'])}: {verdict}, headroom {_fmt(r['headroom_bytes'])} "
+                      f"({100 * r['headroom_bytes'] / r['memory_bytes']:.0f}%)"]
     lines += [f"warning: {w}" for w in r["warnings"]]
     if r.get("prediction"):
         from sage_jax import roofline

@@ -85,7 +85,10 @@ def tpu_devices(chip: str, topology: str) -> tuple[list, int]:
     if not available():
         raise ValueError("--compiler tpu needs libtpu: pip install -r requirements-tpu.txt (or .[tpu-plan]), or "
                          "pass --compiler cpu")
+    import jax
     from jax.experimental import topologies
+    # Executables compiled for devices that are not there cannot be loaded back from JAX's persistent cache.
+    jax.config.update("jax_enable_compilation_cache", False)
     try:
         topo = topologies.get_topology_desc(platform="tpu", topology_name=f"{chip}:{topology}")
     except Exception as e:  # the runtime's own error types; its first line says what it could not parse
@@ -133,7 +136,7 @@ def measure_costs(cfg, config, mesh, rules, shapes, programs=None) -> dict[str, 
     for name, points in measured.items():
         out[name] = {k: max(0.0, _bilinear({p: v[k] for p, v in points.items()}, cfg.num_layers, rows[name]))
                      for k in ("flops", "bytes", "optimal_seconds")}
-        out[name]["loops"] = max(v["loops"] for v in points.values())
+        out[name].update({k: max(v[k] for v in points.values()) for k in ("loops", "kernels")})
     return out
 
 
@@ -180,6 +183,7 @@ def predict(costs: dict[str, dict[str, float]], cfg, config, shapes, chip_name: 
         "compiler_estimate_step_s": sum(p["optimal_seconds"] * p["calls"] for p in programs.values()),
         "steps": config.train.steps, "run_s": config.train.steps * step_s, "assumptions": list(ASSUMPTIONS),
         "loops_left": sorted(name for name, p in programs.items() if p["loops"]),
+        "kernels_uncounted": sorted(name for name, p in programs.items() if p.get("kernels")),
     }
 
 
@@ -209,4 +213,7 @@ def format_prediction(p: dict[str, Any]) -> str:
     if p["loops_left"]:
         lines.append(f"warning: the cost variants of {', '.join(p['loops_left'])} still contain loops, whose bodies "
                      "XLA counts once: their FLOPs and bytes are low")
+    if p["kernels_uncounted"]:
+        lines.append(f"warning: {', '.join(p['kernels_uncounted'])} call Pallas kernels, whose FLOPs and bytes XLA's "
+                     "cost analysis does not count: their times are low")
     return "\n".join(lines)
