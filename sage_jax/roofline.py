@@ -166,12 +166,11 @@ def predict(costs: dict[str, dict[str, float]], cfg, config, shapes, chip_name: 
         programs[name]["step_s"] = programs[name]["time_s"] * calls[name]
     step_s = sum(p["step_s"] for p in programs.values())
     P, C = shapes.prompt_len, shapes.completion_len
-    forward = lambda r: bench_train.train_flops(cfg, r, P, C) / 3
-    model_flops = (calls["train_step"] * 3 * forward(rows["train_step"])
+    no_grad_passes = passes * sum(name in costs for name in ("ref_logprobs", "old_logprobs"))
+    model_flops = (calls["train_step"] * bench_train.train_flops(cfg, rows["train_step"], P, C)
+                   + no_grad_passes * bench_train.train_flops(cfg, rows["ref_logprobs"], P, C) / 3  # forward only
                    + bench_train.decode_flops(cfg, ro.prompts_per_step, ro.group_size, config.data.max_prompt_len,
-                                              ro.max_new_tokens)
-                   + sum(passes * forward(rows["ref_logprobs"]) for name in ("ref_logprobs", "old_logprobs")
-                         if name in costs))
+                                              ro.max_new_tokens))
     compiled_flops = devices * sum(p["flops"] * p["calls"] for p in programs.values())
     peak = chips * chip.bf16_flops
     return {
