@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sage_jax import plan
+from sage_jax import plan, roofline
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "configs/tiny_test.py"
@@ -32,7 +32,7 @@ def _finish(proc: subprocess.Popen, timeout=300) -> subprocess.CompletedProcess:
 
 
 def _plan_cli(*args) -> subprocess.Popen:
-    return _start(["-m", "sage_jax.plan", "--config", TINY, "--devices", "8", *args])
+    return _start(["-m", "sage_jax.plan", "--config", TINY, "--compiler", "cpu", "--devices", "8", *args])
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,8 @@ def test_report_arithmetic_and_shapes(report):
         assert p["peak"] == p["argument"] + p["output"] - p["alias"] + p["temp"] + p["code"]
         assert report["phases"][name] == p["peak"] + report["resident"][name]
     assert report["peak_bytes"] == max(report["phases"].values())
-    assert report["memory_bytes"] == 32e9 and report["fits"]
+    assert report["memory_bytes"] == 32 * 2 ** 30 and report["fits"]  # v4: 32 GiB
+    assert report["compiler"]["name"] == "XLA:CPU" and report["prediction"] is None
     assert report["headroom_bytes"] == report["memory_bytes"] - report["peak_bytes"]
     # the sampler's inputs: params, prompts + mask, output buffers, scalars, eos ids, key
     assert report["programs"]["sampler"]["argument"] >= report["analytic"]["params"]
@@ -178,3 +179,156 @@ def test_model_from_a_known_checkpoint_name_or_a_local_config_json(tmp_path):
 def test_extrapolate_is_linear_in_layers():
     a, b = {"temp": 10, "argument": 3}, {"temp": 14, "argument": 5}
     assert plan.extrapolate(a, b, 2, 28) == {"temp": 10 + 4 * 26, "argument": 3 + 2 * 26}
+
+
+# --------------------------------------------------------------------------------------------------- XLA:TPU, roofline
+
+needs_libtpu = pytest.mark.skipif(not roofline.available(), reason="libtpu is not installed: pip install -r "
+                                  "requirements-tpu.txt to compile for TPU (requirements-test.txt installs it)")
+
+
+@pytest.fixture(scope="module")
+def tpu_report(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tpu") / "plan.json"
+    proc = _finish(_start(["-m", "sage_jax.plan", "--config", TINY, "--compiler", "tpu", "--chip", "v5p",
+                           "--topology", "2x2x1", "--json", str(path)]), timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "TPU_WORKER_HOSTNAMES" not in proc.stderr  # libtpu kept quiet
+    return proc, json.loads(path.read_text())
+
+
+@needs_libtpu
+def test_tiny_config_compiles_with_xla_tpu_and_predicts_its_run(tpu_report):
+    proc, r = tpu_report
+    assert f"libtpu {roofline.libtpu_version()}" in proc.stdout and "PREDICTION" in proc.stdout
+    assert r["compiler"]["name"] == "XLA:TPU" and r["compiler"]["topology"] == "v5p:2x2x1"
+    assert r["devices"] == r["chips"] == 4 and r["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+    assert r["fits"] and r["memory_bytes"] == 95 * 2 ** 30
+    for p in r["programs"].values():
+        assert p["peak"] == p["argument"] + p["output"] - p["alias"] + p["temp"] + p["code"] > 0
+    pred = r["prediction"]
+    progs = pred["programs"]
+    assert set(progs) == {"train_step", "ref_logprobs", "prefill", "decode_step"}
+    assert pred["loops_left"] == pred["kernels_uncounted"] == []
+    assert progs["decode_step"]["calls"] == 15 and progs["train_step"]["calls"] == 1  # max_new_tokens 16
+    assert pred["step_s"] == pytest.approx(sum(p["time_s"] * p["calls"] for p in progs.values()))
+    assert pred["run_s"] == pytest.approx(3 * pred["step_s"])
+    # XLA computes at least the model's FLOPs (it adds recompute and masked attention), but not twice as many
+    assert pred["model_flops"] <= pred["compiled_flops"] <= 2 * pred["model_flops"]
+
+
+def _tpu_mesh_in_process(topology="2x2x1"):
+    roofline.prepare_environment()
+    from sage_jax import sharding
+    devices, chips = roofline.tpu_devices("v5p", topology)
+    return sharding.make_mesh((1, -1, 1), devices=devices), chips
+
+
+@needs_libtpu
+def test_roofline_of_a_sharded_matmul_matches_a_hand_count():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+    from sage_jax import plan_programs
+    mesh, chips = _tpu_mesh_in_process()
+    M, K, N = 4096, 8192, 4096
+    x = jax.ShapeDtypeStruct((M, K), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec("fsdp", None)))
+    w = jax.ShapeDtypeStruct((K, N), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec()))
+    stats = plan_programs.cost_stats(jax.jit(jnp.matmul).lower(x, w))
+    rows = M // chips  # each of the 4 devices multiplies its quarter of the rows by all of w
+    flops, least_bytes = 2 * rows * K * N, 2 * (rows * K + K * N + rows * N)
+    assert stats["flops"] == flops and stats["loops"] == 0
+    # XLA:TPU counts the traffic of its tiling (operands re-read, the output accumulated), never less than one pass
+    assert least_bytes <= stats["bytes"] <= 4 * least_bytes
+    t = roofline.roofline(stats["flops"], stats["bytes"], roofline.CHIPS["v5p"])
+    assert t["compute_s"] == pytest.approx(flops / 459e12) and t["memory_s"] == pytest.approx(stats["bytes"] / 2765e9)
+    assert t["time_s"] == t["compute_s"] == pytest.approx(149.7e-6, rel=1e-3) and t["bound"] == "compute"
+
+
+@needs_libtpu
+def test_a_program_too_big_for_hbm_is_reported_not_raised():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+    from sage_jax import plan_programs
+    mesh, _ = _tpu_mesh_in_process("1x1x1")
+    x = jax.ShapeDtypeStruct((60 * 2 ** 30 // 2,), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec()))
+    stats = plan_programs.memory_stats(jax.jit(lambda a: (a * 2, a + 1)).lower(x))  # 180 GB > 95 GiB
+    assert set(stats) == {"oom"} and "HBM" in stats["oom"]
+
+
+@needs_libtpu
+def test_cost_extrapolation_equals_the_unrolled_program_and_the_scanned_one_undercounts():
+    from sage_jax import config as config_lib, plan_programs as pp, sharding
+    import jax
+    config = config_lib.load(TINY, ["--config.model.num_layers=3"])
+    mesh, _ = _tpu_mesh_in_process()
+    cfg, _ = plan.resolve_model(config)
+    rules, shapes = dict(config.mesh.rules), pp.plan_shapes(config, mesh)
+    rows = roofline.call_rows(config, shapes)["ref_logprobs"]
+    predicted = roofline.measure_costs(cfg, config, mesh, rules, shapes, programs=("ref_logprobs",))["ref_logprobs"]
+    measured = {}
+    for name, c in (("unrolled", pp.cost_variant(cfg, 3)), ("scanned", cfg)):
+        with sharding.use_rules(rules):
+            _, ref, _, _ = pp.abstract_state(c, config, mesh, rules)
+        with jax.set_mesh(mesh), sharding.use_rules(rules):
+            lowered = pp.lower_ref_logprobs(c, config, ref, pp.abstract_batch(config, shapes, rows, mesh), shapes)
+        measured[name] = pp.cost_stats(lowered)
+    assert predicted["flops"] == pytest.approx(measured["unrolled"]["flops"], rel=1e-4)
+    assert predicted["bytes"] == pytest.approx(measured["unrolled"]["bytes"], rel=0.1)
+    assert measured["scanned"]["loops"] >= 1 and measured["scanned"]["flops"] < 0.7 * predicted["flops"]
+
+
+@needs_libtpu
+def test_pallas_splash_attention_compiles_for_tpu_forward_and_backward():
+    """A Pallas TPU kernel lowers through this path (Mosaic inside libtpu), so one that cannot is caught before a pod
+    is rented; and the cost analysis does not see into it, which is why the roofline warns about kernels."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+    from jax.sharding import NamedSharding, PartitionSpec
+    from sage_jax import plan_programs
+    mesh, _ = _tpu_mesh_in_process("1x1x1")
+    H, T, D = 4, 512, 128
+    blocks = splash.BlockSizes(block_q=128, block_kv=128, block_q_dkv=128, block_kv_dkv=128, block_q_dq=128,
+                               block_kv_dq=128)
+    attend = jax.vmap(splash.make_splash_mha_single_device(splash.MultiHeadMask([splash.CausalMask((T, T))] * H),
+                                                           block_sizes=blocks))
+    qkv = [jax.ShapeDtypeStruct((2, H, T, D), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec()))] * 3
+    grads = jax.jit(jax.grad(lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+    stats = plan_programs.cost_stats(grads.lower(*qkv))
+    assert stats["kernels"] >= 3  # forward, dq and dkv kernels
+    assert stats["flops"] < 2 * 2 * H * T * T * D  # far below even the forward's matmuls: kernels are not counted
+
+
+def test_bilinear_extrapolation_is_exact_for_a_bilinear_cost():
+    cost = lambda l, r: 5 + 3 * l + 7 * r + 11 * l * r
+    points = {(l, r): cost(l, r) for l in (1, 2) for r in (8, 16)}
+    assert roofline._bilinear(points, 28, 1024) == cost(28, 1024)
+
+
+def test_prediction_sums_each_program_times_its_calls():
+    from sage_jax import config as config_lib, plan_programs, sharding
+    config = config_lib.load(TINY, ["--config.train.logprob_rows=8", "--config.train.steps=10"])
+    cfg, _ = plan.resolve_model(config)
+    shapes = plan_programs.plan_shapes(config, sharding.make_mesh((1, -1, 1)))
+    costs = {name: {"flops": 1e12, "bytes": 1e9, "optimal_seconds": 0.0, "loops": 0.0, "kernels": 0.0}
+             for name in ("train_step", "ref_logprobs", "prefill", "decode_step")}
+    costs["decode_step"]["bytes"] = 1e10  # memory-bound: 1e10 / 2765e9 s > 1e12 / 459e12 s
+    p = roofline.predict(costs, cfg, config, shapes, "v5p", chips=8, devices=8)
+    compute, memory = 1e12 / 459e12, 1e10 / 2765e9
+    assert p["programs"]["decode_step"]["bound"] == "memory" and p["programs"]["train_step"]["bound"] == "compute"
+    calls = {"train_step": 1, "ref_logprobs": 2, "prefill": 1, "decode_step": 15}  # 16 rows / 8 per pass; 16 - 1
+    assert {k: v["calls"] for k, v in p["programs"].items()} == calls
+    assert p["step_s"] == pytest.approx(4 * compute + 15 * memory)
+    assert p["run_s"] == pytest.approx(10 * p["step_s"])
+    assert p["tokens_per_s"] == pytest.approx(16 * (32 + 16) / p["step_s"])
+    assert p["mfu"] == pytest.approx(p["model_flops"] / (p["step_s"] * 8 * 459e12))
+    assert "PREDICTION" in roofline.format_prediction(p)
+
+
+def test_tpu_flags_that_cannot_work_are_clear_errors():
+    for args, words in ((["--compiler", "tpu", "--chip", "h100", "--topology", "2x2x1"], "not a TPU"),
+                        (["--compiler", "cpu"], "--devices"), (["--compiler", "tpu"], "--topology")):
+        proc = _finish(_start(["-m", "sage_jax.plan", "--config", TINY, *args]))
+        assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, args
