@@ -86,7 +86,7 @@ def abstract_state(cfg, config, mesh, rules):
     """(state, reference params, tx, schedule) laid out as trainer.run_rl lays them out, without any weights."""
     shapes = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
-                          sharding.param_shardings(cfg, mesh, rules))
+                          model_lib.param_shardings(cfg, mesh, rules))
     optim = config.optim
     tx, schedule = train_state.make_optimizer(optim, config.train.steps * optim.num_iterations * optim.mini_batches)
     shardings = train_state.state_shardings(params, tx, cfg, mesh, rules)

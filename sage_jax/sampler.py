@@ -362,7 +362,7 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
                np.array(limits + [1] * (N - B * G), np.int32))  # filler rows start done whatever their limit
     if mesh is not None:
         if _mesh_of(params) != mesh:
-            params = sharding_lib.shard_params(params, mesh, cfg=cfg)
+            params = model_lib.shard_params(params, mesh, cfg=cfg)
         put = lambda x: jax.device_put(x, sharding_lib.data_sharding(mesh, x.ndim) if x.shape[0] % dp == 0
                                        else NamedSharding(mesh, PartitionSpec()))
         tokens_BxP, mask_BxP = put(tokens_BxP), put(mask_BxP)
