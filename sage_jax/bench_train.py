@@ -32,18 +32,17 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
+from sage_jax import config as config_lib
 from sage_jax import guides, model, objectives, packing, rollouts, sampler, train_state
 
 MODES: dict[str, Callable[[argparse.Namespace], list[dict]]] = {}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-# the default SAGE arm: k3 against the branch-guided anchor, beta 0.05, GRPO aggregation (configs/base.py values)
-SAGE_LOSS = objectives.LossConfig(kl_estimator="k3", beta=0.05, aggregation="seq-mean-token-mean",
-                                  guide=guides.GuideConfig(name="branch"))
-OPTIM = ml_collections.ConfigDict(dict(lr=5e-6, schedule="constant", warmup_steps=0, weight_decay=0.01,
-                                       grad_clip=1.0, b1=0.9, b2=0.999, eps=1e-8))
+# the default SAGE arm: the loss defaults (k3 anchor, beta 0.05, GRPO aggregation) with the Branch guide, and the
+# optimizer of configs/base.py: one source for both
+SAGE_LOSS = objectives.LossConfig(guide=guides.GuideConfig(name="branch"))
+OPTIM = config_lib.load(str(Path(__file__).resolve().parents[1] / "configs" / "base.py")).optim
 ABLATIONS = {  # variant -> ModelConfig overrides; "rows" scales the batch instead
     "default": {}, "remat": {"remat": True}, "no_scan": {"scan_layers": False}, "chunk_128": {"logits_chunk": 128},
     "chunk_2048": {"logits_chunk": 2048}, "bf16_compute": {"compute_dtype": "bfloat16"}, "rows_x0.25": {"rows": 0.25},
