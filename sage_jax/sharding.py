@@ -156,7 +156,8 @@ def initialize_distributed() -> None:
             process_id=int(os.environ["SAGE_PROCESS_ID"]),
             local_device_ids=None,
         )
-    elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("CLOUD_TPU_TASK_ID"):
+    elif (os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("CLOUD_TPU_TASK_ID")) and \
+            os.environ.get("JAX_PLATFORMS", "") != "cpu":  # CPU runs beside libtpu's host variables stay local
         jax.distributed.initialize()
 
 

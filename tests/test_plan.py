@@ -218,9 +218,14 @@ def test_tiny_config_compiles_with_xla_tpu_and_predicts_its_run(tpu_report):
 
 
 def _tpu_mesh_in_process(topology="2x2x1"):
-    roofline.prepare_environment()
     from sage_jax import sharding
-    devices, chips = roofline.tpu_devices("v5p", topology)
+    saved = dict(os.environ)
+    roofline.prepare_environment()
+    try:
+        devices, chips = roofline.tpu_devices("v5p", topology)
+    finally:  # libtpu has read them; the TPU host variables must not reach the training subprocesses of later tests
+        os.environ.clear()
+        os.environ.update(saved)
     return sharding.make_mesh((1, -1, 1), devices=devices), chips
 
 
