@@ -51,7 +51,7 @@ def bench_train(cfg, rows: int, seq: int, completion: int, grad_accum: int, peak
     rules = dict(sharding.DEFAULT_RULES)
     with jax.set_mesh(mesh), sharding.use_rules(rules):
         params = jax.jit(lambda: model.init_params(cfg, jax.random.key(0)),
-                         out_shardings=sharding.param_shardings(cfg, mesh, rules))()
+                         out_shardings=model.param_shardings(cfg, mesh, rules))()
         import ml_collections
         optim = ml_collections.ConfigDict(dict(lr=1e-6, schedule="constant", warmup_steps=0, weight_decay=0.01,
                                                grad_clip=1.0, b1=0.9, b2=0.999, eps=1e-8))

@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -32,18 +31,17 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
-from sage_jax import guides, model, objectives, packing, rollouts, sampler, train_state
+from sage_jax import config as config_lib
+from sage_jax import guides, model, objectives, packing, rollouts, sampler, train_state, workloads
 
 MODES: dict[str, Callable[[argparse.Namespace], list[dict]]] = {}
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-# the default SAGE arm: k3 against the branch-guided anchor, beta 0.05, GRPO aggregation (configs/base.py values)
-SAGE_LOSS = objectives.LossConfig(kl_estimator="k3", beta=0.05, aggregation="seq-mean-token-mean",
-                                  guide=guides.GuideConfig(name="branch"))
-OPTIM = ml_collections.ConfigDict(dict(lr=5e-6, schedule="constant", warmup_steps=0, weight_decay=0.01,
-                                       grad_clip=1.0, b1=0.9, b2=0.999, eps=1e-8))
+# the default SAGE arm: the loss defaults (k3 anchor, beta 0.05, GRPO aggregation) with the Branch guide, and the
+# optimizer of configs/base.py: one source for both
+SAGE_LOSS = objectives.LossConfig(guide=guides.GuideConfig(name="branch"))
+OPTIM = config_lib.load(str(Path(__file__).resolve().parents[1] / "configs" / "base.py")).optim
 ABLATIONS = {  # variant -> ModelConfig overrides; "rows" scales the batch instead
     "default": {}, "remat": {"remat": True}, "no_scan": {"scan_layers": False}, "chunk_128": {"logits_chunk": 128},
     "chunk_2048": {"logits_chunk": 2048}, "bf16_compute": {"compute_dtype": "bfloat16"}, "rows_x0.25": {"rows": 0.25},
@@ -298,26 +296,6 @@ def trl_ids_reward(completions, completion_ids, **_) -> list[float]:
     return [ids_reward(ids) for ids in completion_ids]
 
 
-def long_tail_lengths(rows: int, max_len: int, seed: int = 0, sigma: float = 1.0) -> np.ndarray:
-    """Completion lengths (generated tokens, the EOS included) for the `longtail` workload: the quantiles of a
-    log-normal with median max_len / 5, capped at max_len (sigma 1 puts 5.4% of rows at the cap), in a seeded
-    order, at least 2% of rows (and one) at the cap. Quantiles rather than draws, so every run and both sides see
-    exactly this distribution."""
-    import statistics as st
-    z = np.array([st.NormalDist().inv_cdf((k + 0.5) / rows) for k in range(rows)])
-    lengths = np.clip(np.round(max_len / 5 * np.exp(sigma * z)), 1, max_len).astype(np.int32)
-    lengths[-max(1, math.ceil(0.02 * rows)):] = max_len
-    return np.random.default_rng(seed).permutation(lengths)
-
-
-def workload_lengths(workload: str, rows: int, new_tokens: int, seed: int = 0) -> np.ndarray:
-    if workload == "fixed":
-        return np.full(rows, new_tokens, np.int32)
-    if workload == "longtail":
-        return long_tail_lengths(rows, new_tokens, seed)
-    raise ValueError(f"--workload {workload!r}: choose 'fixed' or 'longtail'")
-
-
 def _forced_rollout(out, lengths_N: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
     """A rollout dict (rollouts.build_batch input) from a sample of max_new_tokens, cut to the forced lengths: row n
     ends with EOS at lengths[n] - 1 unless it runs to the limit (truncated)."""
@@ -484,12 +462,12 @@ def bench_rl_step(preset: str = "tiny", dtype: str = "fp32", prompts: int = 8, g
                   workload: str = "fixed", layouts: tuple[str, ...] = ("packed",)) -> list[dict]:
     """Generated tokens/s (before EOS) of one RL step, sage_jax (each of `layouts`: the update on packed rows,
     impl "sage_jax", or on padded rows, "sage_jax_padded") vs TRL's GRPOTrainer (torch, CPU, fp32) on the same weights, prompts and completion lengths (workload
-    "fixed": all new_tokens; "longtail": long_tail_lengths); steps interleaved (ours run after each TRL step), the
+    "fixed": all new_tokens; "longtail": workloads.longtail_lengths); steps interleaved (ours run after each TRL step), the
     first of each excluded as warm-up."""
     cfg = preset_config(preset, dtype)
     params = jax.jit(model.init_params, static_argnums=0)(cfg, jax.random.key(seed))
     prompts_BxP = np.random.default_rng(seed).integers(2, cfg.vocab_size, (prompts, prompt_len))
-    lengths_N = workload_lengths(workload, prompts * group, new_tokens, seed)
+    lengths_N = workloads.workload_lengths(workload, prompts * group, new_tokens, seed)
     ours = {"sage_jax" if layout == "packed" else "sage_jax_padded": _sage_rl_runner(cfg, params, prompts_BxP, group, lengths_N, beta, seed,
                                                   packed=layout == "packed") for layout in layouts}
     peak_fn, peak_flops = matmul_peak_fn(dtype)

@@ -9,6 +9,7 @@ every process (each its own shards); the JSON item is written by the primary pro
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import logging as pylogging
 import os
@@ -136,9 +137,9 @@ class Checkpointer:
     def discard_after(self, step: int | None) -> list[int]:
         """Move the steps newer than `step` (all of them for None) to WORKDIR/checkpoints_corrupt/, so a rerun resumes
         from `step`; returns the steps moved. For checkpoints whose params turned out to give a non-finite loss."""
+        self.wait()  # a save still in flight must be listed (and moved) too
         bad = [s for s in self.all_steps() if step is None or s > step]
         if bad:
-            self.wait()
             self._quarantine(bad)
         return bad
 
@@ -239,6 +240,10 @@ class Checkpointer:
             stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
             for s in bad_steps:
                 dest = corrupt_dir / f"{s}-{stamp}"
+                for i in itertools.count(1):  # the same step moved twice within a second needs its own name
+                    if not dest.exists():
+                        break
+                    dest = corrupt_dir / f"{s}-{stamp}-{i}"
                 try:
                     (self.directory / str(s)).rename(dest)
                     log.warning("moved corrupt checkpoint step %d to %s", s, dest)

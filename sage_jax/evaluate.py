@@ -258,7 +258,7 @@ def load_model(source: ModelSource, tokenizer: Any, dtype: str, mesh: Any, rules
     """(cfg, params) on the mesh, in `dtype`, with the tokenizer's stop and pad ids."""
     import jax
     import jax.numpy as jnp
-    from sage_jax import checkpoint, hf_io, sharding, train_state
+    from sage_jax import checkpoint, hf_io, train_state
     from sage_jax import model as model_lib
     if source.kind == "hf":
         cfg, params = model_lib.load_hf(source.path, dtype=jnp.dtype(dtype), mesh=mesh, rules=rules)
@@ -275,7 +275,7 @@ def load_model(source: ModelSource, tokenizer: Any, dtype: str, mesh: Any, rules
             base = hf_io.config_from_hf(json.loads(hf_config.read_text()))
         cfg = train_state.model_config(config, vocab_size=getattr(tokenizer, "vocab_size", None), base=base)
         cfg = cfg.replace(param_dtype=dtype)
-        shardings = sharding.param_shardings(cfg, mesh, rules)
+        shardings = model_lib.param_shardings(cfg, mesh, rules)
         shapes = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
         abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
         params = checkpoint.restore_params(source.path / "rl", source.step, abstract, dtype)

@@ -23,8 +23,8 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from sage_jax import model as model_lib
-from sage_jax.model import ModelConfig, Params
+from sage_jax import model_config as model_lib
+from sage_jax.model_config import ModelConfig, Params
 
 SUPPORTED = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 _MODEL_TYPES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
@@ -286,8 +286,7 @@ def _target_shardings(cfg: ModelConfig, mesh, rules) -> Params:
         single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         return jax.tree.map(lambda _: single, model_lib.param_axes(cfg),
                             is_leaf=lambda x: isinstance(x, tuple))
-    from sage_jax import sharding
-    return sharding.param_shardings(cfg, mesh, rules)
+    return model_lib.param_shardings(cfg, mesh, rules)
 
 
 def load_hf(path: str | os.PathLike, dtype: Any = jnp.float32, mesh=None, rules=None) -> tuple[ModelConfig, Params]:

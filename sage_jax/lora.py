@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from sage_jax import hf_io, sharding
-from sage_jax.model import ModelConfig, Params
+from sage_jax.model_config import ModelConfig, Params
 
 # our weight name -> the HF / PEFT module name it adapts
 MODULES = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj",

@@ -86,7 +86,7 @@ def abstract_state(cfg, config, mesh, rules):
     """(state, reference params, tx, schedule) laid out as trainer.run_rl lays them out, without any weights."""
     shapes = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
     params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
-                          sharding.param_shardings(cfg, mesh, rules))
+                          model_lib.param_shardings(cfg, mesh, rules))
     optim = config.optim
     tx, schedule = train_state.make_optimizer(optim, config.train.steps * optim.num_iterations * optim.mini_batches)
     shardings = train_state.state_shardings(params, tx, cfg, mesh, rules)
@@ -140,18 +140,18 @@ def lower_ref_logprobs(cfg, config, ref_params, batch, shapes: Shapes):
     return lower_logprobs(cfg.replace(compute_dtype=config.model.ref_dtype), config, ref_params, batch, shapes)
 
 
-def sampler_plan(cfg, config, shapes: Shapes, mesh) -> sampler._Plan:
+def sampler_plan(cfg, config, shapes: Shapes, mesh) -> sampler.SamplerPlan:
     """The static settings sampler.generate picks for a rollout batch on an accelerator."""
     ro = config.rollout
     greedy = ro.temperature == 0
     static = dict(num_samples=ro.group_size, new_bucket=shapes.new_bucket, greedy=greedy,
                   top_k=0 if greedy or ro.top_k >= cfg.vocab_size else ro.top_k, use_top_p=not greedy and ro.top_p < 1,
                   use_min_p=not greedy and ro.min_p > 0, mesh=mesh, unstack_layers=False, compact=True)
-    fields = {f.name for f in dataclasses.fields(sampler._Plan)}
+    fields = {f.name for f in dataclasses.fields(sampler.SamplerPlan)}
     if fields - static.keys():
-        raise RuntimeError(f"sampler._Plan has fields {sorted(fields - static.keys())} that sage_jax.plan does not "
+        raise RuntimeError(f"sampler.SamplerPlan has fields {sorted(fields - static.keys())} that sage_jax.plan does not "
                            "know: update plan_programs.sampler_plan to match sampler.generate")
-    return sampler._Plan(**{k: v for k, v in static.items() if k in fields})
+    return sampler.SamplerPlan(**{k: v for k, v in static.items() if k in fields})
 
 
 def rows_arg(shape, dtype, mesh, dp: int):
@@ -162,13 +162,13 @@ def rows_arg(shape, dtype, mesh, dp: int):
 
 
 def lower_sampler(cfg, config, params, shapes: Shapes, mesh, num_eos: int = 4):
-    """sampler._generate_program as sampler.generate calls it for one rollout batch."""
+    """sampler.generate_program as sampler.generate calls it for one rollout batch."""
     arg = functools.partial(rows_arg, mesh=mesh, dp=shapes.dp)
     B, P, N, C = shapes.sampler_prompts, shapes.prompt_len, shapes.sampler_rows, shapes.new_bucket
     scalars = [arg((), d) for d in (jnp.int32, jnp.float32, jnp.float32, jnp.float32, jnp.int32)]
     per_row = [arg((N, C), jnp.int32), arg((N, C), jnp.float32), arg((N,), jnp.int32)]  # tokens, logp, limits
     key = arg((), jax.eval_shape(lambda: jax.random.key(0)).dtype)
-    return sampler._generate_program.lower(cfg, sampler_plan(cfg, config, shapes, mesh), params,
+    return sampler.generate_program.lower(cfg, sampler_plan(cfg, config, shapes, mesh), params,
                                            arg((B, P), jnp.int32), arg((B, P), jnp.bool_), *per_row, *scalars,
                                            arg((num_eos,), jnp.int32), key)
 
@@ -203,7 +203,7 @@ def cost_variant(cfg, num_layers: int):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_samples", "new_bucket"))
 def prefill_program(cfg, params, prompt_BxP, mask_BxP, *, num_samples: int, new_bucket: int):
-    """The sampler's prefill as _generate_program runs it: each prompt once, the last position's logits, the cache
+    """The sampler's prefill as generate_program runs it: each prompt once, the last position's logits, the cache
     repeated for the samples and grown by the new-token bucket."""
     B, P = prompt_BxP.shape
     mask_BxP = mask_BxP.astype(jnp.bool_)
@@ -213,7 +213,7 @@ def prefill_program(cfg, params, prompt_BxP, mask_BxP, *, num_samples: int, new_
     seq_axis = model_lib.cache_axes().index("cache_seq")
     grow = lambda c: jnp.pad(jnp.repeat(c, num_samples, axis=0),
                              [(0, new_bucket if a == seq_axis else 0) for a in range(c.ndim)])
-    return logits_NxV, sampler._constrain_cache([tuple(grow(c) for c in kv) for kv in cache])
+    return logits_NxV, sampler.constrain_cache([tuple(grow(c) for c in kv) for kv in cache])
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("cache",))
@@ -227,7 +227,7 @@ def decode_step_program(cfg, plan, params, last_N, cache, kv_mask_NxS, index, te
                                           temperature=temperature, top_k=plan.top_k,
                                           top_p=top_p if plan.use_top_p else None,
                                           min_p=min_p if plan.use_min_p else None)
-    return tok_N, logp_N, sampler._constrain_cache(cache)
+    return tok_N, logp_N, sampler.constrain_cache(cache)
 
 
 def cost_lowerers(cfg, config, mesh, rules, shapes: Shapes, state, ref, tx, schedule) -> dict[str, Any]:

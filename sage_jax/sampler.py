@@ -43,7 +43,7 @@ class SampleOutput(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class SamplerPlan:
     """Everything static about one compiled program besides the array shapes."""
     num_samples: int
     new_bucket: int
@@ -182,7 +182,8 @@ def decode_buckets(rows: int, dp: int = 1, compact: bool = True) -> tuple[int, .
     return tuple(sizes)
 
 
-def _constrain_cache(cache: list) -> list:
+def constrain_cache(cache: list) -> list:
+    """The KV cache's layers annotated with its logical axes."""
     return [tuple(sharding_lib.constrain(c, model_lib.cache_axes()) for c in kv) for kv in cache]
 
 
@@ -207,16 +208,18 @@ def _compact(slots: _Slots, done_N: jax.Array, size: int) -> _Slots:
     """The first `size` slots after a stable sort putting live rows first (the caller ensures they all fit)."""
     keep = jnp.argsort(done_N[slots.rows_b], stable=True)[:size]
     take = lambda x: jnp.take(x, keep, axis=0)
-    return _Slots(take(slots.rows_b), take(slots.last_b), _constrain_cache([tuple(take(c) for c in kv)
+    return _Slots(take(slots.rows_b), take(slots.last_b), constrain_cache([tuple(take(c) for c in kv)
                                                                             for kv in slots.cache]),
                   take(slots.kv_mask_bxS), take(slots.prompt_len_b))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("tokens_NxC", "logp_NxC"))
-def _generate_program(cfg: ModelConfig, plan: _Plan, params: Params, prompt_BxP: jax.Array, prompt_mask_BxP: jax.Array,
-                      tokens_NxC: jax.Array, logp_NxC: jax.Array, limit_N: jax.Array, num_valid: jax.Array,
-                      temperature: jax.Array, top_p: jax.Array, min_p: jax.Array, pad_id: jax.Array,
-                      eos_E: jax.Array, key: jax.Array):
+def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt_BxP: jax.Array,
+                     prompt_mask_BxP: jax.Array, tokens_NxC: jax.Array, logp_NxC: jax.Array, limit_N: jax.Array,
+                     num_valid: jax.Array, temperature: jax.Array, top_p: jax.Array, min_p: jax.Array,
+                     pad_id: jax.Array, eos_E: jax.Array, key: jax.Array):
+    """The whole sampling program generate() runs (prefill, then the compacting decode loop); public so that the
+    memory plan lowers exactly this program for abstract inputs."""
     B, P = prompt_BxP.shape
     G, C = plan.num_samples, plan.new_bucket
     N = B * G
@@ -233,7 +236,7 @@ def _generate_program(cfg: ModelConfig, plan: _Plan, params: Params, prompt_BxP:
     logits_NxV = jnp.repeat(model_lib.logits_from_hidden(cfg, params, h_BxPxD[:, -1:])[:, 0], G, axis=0)
     seq_axis = model_lib.cache_axes().index("cache_seq")
     grow = lambda c: jnp.pad(jnp.repeat(c, G, axis=0), [(0, C if a == seq_axis else 0) for a in range(c.ndim)])
-    cache = _constrain_cache([tuple(grow(c) for c in kv) for kv in cache])
+    cache = constrain_cache([tuple(grow(c) for c in kv) for kv in cache])
     mask_NxP = jnp.repeat(mask_BxP, G, axis=0)
     # Causality in forward_with_cache already hides slots not yet written, so a row's kv mask never changes.
     kv_mask_NxS = jnp.concatenate([mask_NxP, jnp.ones((N, C), jnp.bool_)], axis=1)
@@ -259,7 +262,7 @@ def _generate_program(cfg: ModelConfig, plan: _Plan, params: Params, prompt_BxP:
         logits_bxV = model_lib.logits_from_hidden(cfg, params, h_bx1xD)[:, 0]
         tok_b, logp_b = sample(logits_bxV, jax.random.fold_in(key, i), slots.rows_b)
         last_b, out = record(i, slots.rows_b, tok_b, logp_b, out)
-        return i + 1, slots._replace(last_b=last_b, cache=_constrain_cache(cache)), out
+        return i + 1, slots._replace(last_b=last_b, cache=constrain_cache(cache)), out
 
     tok_N, logp_N = sample(logits_NxV, jax.random.fold_in(key, 0), rows_N)
     no_N = jnp.zeros((N,), jnp.bool_)
@@ -352,7 +355,7 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     N = rows * G
     tokens_BxP, mask_BxP = _left_pad(prompts, rows, P, pad_id)
     greedy = temperature == 0
-    plan = _Plan(num_samples=G, new_bucket=C, greedy=greedy, top_k=0 if greedy or top_k >= cfg.vocab_size else top_k,
+    plan = SamplerPlan(num_samples=G, new_bucket=C, greedy=greedy, top_k=0 if greedy or top_k >= cfg.vocab_size else top_k,
                  use_top_p=not greedy and top_p < 1, use_min_p=not greedy and min_p > 0, mesh=mesh,
                  unstack_layers=jax.default_backend() == "cpu" if unstack_layers is None else bool(unstack_layers),
                  compact=bool(compact))
@@ -362,7 +365,7 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
                np.array(limits + [1] * (N - B * G), np.int32))  # filler rows start done whatever their limit
     if mesh is not None:
         if _mesh_of(params) != mesh:
-            params = sharding_lib.shard_params(params, mesh, cfg=cfg)
+            params = model_lib.shard_params(params, mesh, cfg=cfg)
         put = lambda x: jax.device_put(x, sharding_lib.data_sharding(mesh, x.ndim) if x.shape[0] % dp == 0
                                        else NamedSharding(mesh, PartitionSpec()))
         tokens_BxP, mask_BxP = put(tokens_BxP), put(mask_BxP)
@@ -374,7 +377,7 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     _PROGRAMS.add((cfg, plan, rows, P, len(eos_E), jax.tree.structure(params),
                    tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree.leaves(params))))
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        tokens, logp, lengths, finished, prompt_tokens, prompt_mask, steps = _generate_program(
+        tokens, logp, lengths, finished, prompt_tokens, prompt_mask, steps = generate_program(
             cfg, plan, params, tokens_BxP, mask_BxP, *per_row, *scalars, eos_E, key)
     n = B * G
     return SampleOutput(tokens=tokens[:n, :max_new_tokens], lengths=lengths[:n], finished=finished[:n],

@@ -107,21 +107,6 @@ def tree_shardings(abstract_tree: Any, axes_tree: Any, mesh: Mesh, rules: Mappin
                                                 isinstance(a, (str, type(None))) for a in x))
 
 
-def param_shardings(cfg, mesh: Mesh, rules: Mapping[str, Any] | None = None) -> Any:
-    from sage_jax import model  # model imports nothing from here at module level but constrain()
-    abstract = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
-    return tree_shardings(abstract, model.param_axes(cfg), mesh, rules)
-
-
-def shard_params(params: Any, mesh: Mesh, rules: Mapping[str, Any] | None = None, cfg=None) -> Any:
-    """Place params onto the mesh by their logical axes (cfg is needed to know the axes)."""
-    if cfg is None:
-        raise ValueError("shard_params needs the ModelConfig (cfg=...) to look up logical axes")
-    from sage_jax import model
-    shardings = tree_shardings(params, model.param_axes(cfg), mesh, rules)
-    return jax.tree.map(jax.device_put, params, shardings)
-
-
 @contextlib.contextmanager
 def use_rules(rules: Mapping[str, Any] | None):
     token = _RULES.set(rules)
@@ -171,7 +156,8 @@ def initialize_distributed() -> None:
             process_id=int(os.environ["SAGE_PROCESS_ID"]),
             local_device_ids=None,
         )
-    elif os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("CLOUD_TPU_TASK_ID"):
+    elif (os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("CLOUD_TPU_TASK_ID")) and \
+            os.environ.get("JAX_PLATFORMS", "") != "cpu":  # CPU runs beside libtpu's host variables stay local
         jax.distributed.initialize()
 
 

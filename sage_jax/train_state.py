@@ -45,7 +45,7 @@ def load_or_init_params(config, mesh, rules, tokenizer=None, path: str | None = 
         cfg = model_config(config, base=base)
     else:
         cfg = model_config(config, vocab_size=getattr(tokenizer, "vocab_size", None))
-        shardings = sharding.param_shardings(cfg, mesh, rules)
+        shardings = model_lib.param_shardings(cfg, mesh, rules)
         init = jax.jit(functools.partial(model_lib.init_params, cfg), out_shardings=shardings)
         params = init(jax.random.key(config.seed))
     if tokenizer is not None:
@@ -84,7 +84,7 @@ def state_shardings(params, tx, cfg, mesh, rules, param_sh=None):
     """Shardings of the train state: optimizer moments take their param's sharding (never replicated).
 
     param_sh: the trained params' shardings when they are not the model's (LoRA: lora.shardings)."""
-    param_sh = sharding.param_shardings(cfg, mesh, rules) if param_sh is None else param_sh
+    param_sh = model_lib.param_shardings(cfg, mesh, rules) if param_sh is None else param_sh
     abstract = jax.eval_shape(lambda p: init_state(p, tx), params)
     opt_sh = optax.tree_map_params(tx, lambda _, sh: sh, abstract["opt_state"], param_sh,
                                    transform_non_params=lambda _: sharding.replicated(mesh))

@@ -211,7 +211,7 @@ def setup_rl(config, mesh, rules, tokenizer, params_override=None) -> tuple[RLCo
     optim = config.optim
     cfg, params = train_state.load_or_init_params(config, mesh, rules, tokenizer)
     if params_override is not None:
-        params = jax.device_put(params_override, sharding.param_shardings(cfg, mesh, rules))
+        params = jax.device_put(params_override, model_lib.param_shardings(cfg, mesh, rules))
     ref_cfg = cfg.replace(compute_dtype=config.model.ref_dtype)
     # LoRA: the loaded weights stay frozen and are the reference as they are (no second copy); the state holds only
     # the adapters and their optimizer moments
@@ -221,7 +221,7 @@ def setup_rl(config, mesh, rules, tokenizer, params_override=None) -> tuple[RLCo
         ref_params = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(config.model.ref_dtype), p))(params)
     else:
         base = ref_params = params
-        trained_sh, base_sh = lora.shardings(cfg, lora_cfg, mesh, rules), sharding.param_shardings(cfg, mesh, rules)
+        trained_sh, base_sh = lora.shardings(cfg, lora_cfg, mesh, rules), model_lib.param_shardings(cfg, mesh, rules)
         params = lora.init_adapters(cfg, lora_cfg, jax.random.key(config.seed), mesh, rules)
     loss_cfg = loss_config(config)
     tx, schedule = train_state.make_optimizer(optim, config.train.steps * optim.num_iterations * optim.mini_batches)

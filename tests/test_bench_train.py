@@ -150,13 +150,6 @@ def test_bench_sampler_longtail_smoke(tmp_path):
     assert rows[0]["vs_transformers"] == pytest.approx(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"])
 
 
-def test_long_tail_lengths_shape_the_workload():
-    lengths = bench_train.long_tail_lengths(64, 512, seed=3)
-    assert lengths.min() >= 1 and lengths.max() == 512 and (lengths == 512).mean() >= 0.02
-    assert 0.8 * 512 / 5 <= np.median(lengths) <= 1.2 * 512 / 5
-    np.testing.assert_array_equal(np.sort(lengths), np.sort(bench_train.long_tail_lengths(64, 512, seed=4)))
-
-
 def test_rl_step_longtail_packed_and_padded(tmp_path):
     """Smoke run of `rl_step --workload longtail --layout both`: both layouts, less padding when packed, JSON out."""
     path = tmp_path / "rl.json"

@@ -186,7 +186,7 @@ def test_sharded_forward_equals_single_device(params):
     p = model.init_params(cfg, jax.random.key(1), std=0.1)
     tokens, mask = _batch(cfg, B=4)
     ref = model.forward(cfg, p, tokens, mask_BxT=mask)
-    sp = sharding.shard_params(p, mesh, cfg=cfg)
+    sp = model.shard_params(p, mesh, cfg=cfg)
     assert sp["layers"]["wq"].sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
     assert len(sp["layers"]["wq"].addressable_shards) == 8
     with jax.set_mesh(mesh):
@@ -205,7 +205,7 @@ def test_mesh_errors():
     mesh = sharding.make_mesh((1, 8, 1))
     cfg = CFG.replace(hidden_size=132, head_dim=33 - 1)  # 132 does not divide over fsdp=8
     with pytest.raises(ValueError, match="does not divide over mesh axes"):
-        sharding.param_shardings(cfg, mesh)
+        model.param_shardings(cfg, mesh)
 
 
 def test_config_validation():

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sage_jax import bench_train, guides, model, objectives, packing, train_state
+from sage_jax import bench_train, guides, model, objectives, packing, train_state, workloads
 
 CFG = model.preset("tiny", attention="naive", attention_block=64)
 LOSS = objectives.LossConfig(kl_estimator="k3", beta=0.05, guide=guides.GuideConfig(name="branch"))
@@ -80,7 +80,7 @@ def test_packed_train_step_runs_with_grad_accum(params):
 
 
 def test_long_tail_packs_under_15_percent_padding():
-    lengths = bench_train.long_tail_lengths(64, 512, seed=0)
+    lengths = workloads.longtail_lengths(64, 512, seed=0)
     assert np.median(lengths) == pytest.approx(512 / 5, rel=0.2) and (lengths == 512).mean() >= 0.02
     N, P, C = 64, 32, 512
     batch = {"tokens": np.ones((N, P + C), np.int32), "completion_mask": np.arange(C)[None] < lengths[:, None]}

@@ -62,7 +62,7 @@ from sage_jax.plan import FAST_COMPILE_FLAGS
 os.environ["XLA_FLAGS"] = " ".join(["--xla_force_host_platform_device_count=8", *FAST_COMPILE_FLAGS])
 os.environ["JAX_PLATFORMS"] = "cpu"
 import dataclasses, jax, jax.numpy as jnp, numpy as np
-from sage_jax import config as config_lib, objectives, sharding, train_state, trainer
+from sage_jax import config as config_lib, model as model_lib, objectives, sharding, train_state, trainer
 from sage_jax.rewards.countdown import CountdownTokenizer
 
 config = config_lib.load("configs/tiny_test.py")
@@ -77,7 +77,7 @@ stats = lambda c: {k: getattr(c.memory_analysis(), f"{k}_size_in_bytes") for k i
 with jax.set_mesh(mesh), sharding.use_rules(rules):
     cfg, params = train_state.load_or_init_params(config, mesh, rules, tokenizer)
     shard_sum = sum(int(np.prod(sh.shard_shape(x.shape))) * x.dtype.itemsize for x, sh in zip(
-        jax.tree.leaves(params), jax.tree.leaves(sharding.param_shardings(cfg, mesh, rules))))
+        jax.tree.leaves(params), jax.tree.leaves(model_lib.param_shardings(cfg, mesh, rules))))
     tx, schedule = train_state.make_optimizer(config.optim, config.train.steps)
     state, shardings = train_state.create_state(jax.tree.map(jnp.copy, params), tx, cfg, mesh, rules)
     loss_cfg = dataclasses.replace(objectives.LossConfig.from_config(config.loss, config.train.steps), temperature=1.0)
@@ -218,9 +218,14 @@ def test_tiny_config_compiles_with_xla_tpu_and_predicts_its_run(tpu_report):
 
 
 def _tpu_mesh_in_process(topology="2x2x1"):
-    roofline.prepare_environment()
     from sage_jax import sharding
-    devices, chips = roofline.tpu_devices("v5p", topology)
+    saved = dict(os.environ)
+    roofline.prepare_environment()
+    try:
+        devices, chips = roofline.tpu_devices("v5p", topology)
+    finally:  # libtpu has read them; the TPU host variables must not reach the training subprocesses of later tests
+        os.environ.clear()
+        os.environ.update(saved)
     return sharding.make_mesh((1, -1, 1), devices=devices), chips
 
 

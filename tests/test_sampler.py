@@ -204,7 +204,7 @@ def test_sharded_greedy_equals_single_device(params):
     prompts = PROMPTS[:3]  # 3 prompts x 2 samples: padded to 4 x 2 rows, a multiple of data x fsdp = 4
     ref = _np(sampler.generate(CFG, params, PROMPTS, max_new_tokens=8, temperature=0.0))
     mesh = sharding.make_mesh((2, 2, 2))
-    sharded = sharding.shard_params(params, mesh, cfg=CFG)
+    sharded = model.shard_params(params, mesh, cfg=CFG)
     for out in (sampler.generate(CFG, sharded, prompts, max_new_tokens=8, temperature=0.0, num_samples=2),
                 sampler.generate(CFG, params, prompts, max_new_tokens=8, temperature=0.0, num_samples=2, mesh=mesh)):
         assert out.tokens.sharding.mesh.size == 8
