@@ -140,7 +140,7 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("train.keep_ckpts", lambda v: v >= 1, ">= 1"),
     ("train.eval_every", lambda v: v >= 0, ">= 0 (0 = only before and after)"),
     ("train.sample_every", lambda v: v >= 0, ">= 0 (0 = never)"),
-    ("train.reward_workers", lambda v: v >= 0, ">= 0 (0 = score in this process)"),
+    ("train.reward_workers", lambda v: v >= 0, ">= 0 (0 = one worker process)"),
     ("train.reward_timeout", lambda v: v > 0, "> 0 seconds"),
     ("train.reward_memory_mb", lambda v: v >= 0, ">= 0 MiB (0 = no cap)"),
     ("train.max_resample", lambda v: v >= 0, ">= 0"),

@@ -18,8 +18,8 @@ from sage_jax import attention as attention_lib
 from sage_jax.sharding import constrain
 
 # re-exported: model.ModelConfig, model.preset, model.init_params, ... are the public names
-from sage_jax.model_config import (ModelConfig, Params, init_params, param_axes, param_shapes,  # noqa: F401
-                                   param_shardings, preset, shard_params)
+from sage_jax.model_config import (PRESETS, ModelConfig, Params, init_params, param_axes,  # noqa: F401
+                                   param_shapes, param_shardings, preset, shard_params)
 
 # --------------------------------------------------------------------------------------------------- building blocks
 
