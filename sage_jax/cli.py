@@ -9,6 +9,24 @@ import sys
 import traceback
 from typing import Callable, Sequence
 
+
+def _cpu_unless_an_accelerator() -> None:
+    """libtpu (the memory plan's optional extra) makes every jax import try to start a TPU and print warnings; on a
+    machine with no TPU device files and no CUDA plugin the entry points run on the CPU quietly. A JAX_PLATFORMS the
+    user set wins."""
+    import glob
+    import importlib.util
+    if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
+        return
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return
+    if any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+_cpu_unless_an_accelerator()  # before anything imports jax
+
 # Errors a user can act on: print one line, no traceback (set SAGE_DEBUG=1 to see it).
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, KeyError)
 
