@@ -147,8 +147,10 @@ def get_config(arg=None):
     # tau 0.6: the base's token entropies have q90 ~0.7 and q99 ~1.15 nats, so the paper's 1.2 would almost never fire.
     c.loss.update(guide="none", kl_estimator="k3", beta=0.1, gamma=0.3, tau=0.6)
     c.optim.update(lr=2e-4, warmup_steps=5, weight_decay=0.0)
+    # packing off: completions are 24 tokens at most, so packed rows save few positions, and each step's packed row
+    # count differs, which costs a compile per new count in these short runs (the loss is the same either way)
     c.train.update(steps=80, ckpt_every=1000, keep_ckpts=1, eval_every=0, sample_every=0, reward="countdown",
-                   reward_workers=0, export_hf=False, use_tensorboard=False, progress=False)
+                   reward_workers=0, export_hf=False, use_tensorboard=False, progress=False, packing=False)
     # the experiment evaluates with its own sampler loop (sage_jax.experiments), not the trainer's
     c.eval.update(n=256, ks=(1, 4, 16, 64, 256), problems=96, max_new_tokens=24, temperature=1.0, min_p=0.0,
                   at_start=False, at_end=False)
