@@ -3,7 +3,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sage_jax import bench_train, guides, model, objectives, packing, train_state, workloads
+import optax
+
+from sage_jax import bench_train, guides, model, objectives, packing, packing_report, train_state, workloads
+from sage_jax import config as config_lib
 
 CFG = model.preset("tiny", attention="naive", attention_block=64)
 LOSS = objectives.LossConfig(kl_estimator="k3", beta=0.05, guide=guides.GuideConfig(name="branch"))
@@ -29,18 +32,31 @@ def params():
     return model.init_params(CFG, jax.random.key(0))
 
 
+def _rows(a, packed):
+    """A packed per-row array back in the padded batch's row order, on the host."""
+    return np.asarray(packing.to_rows(jnp.asarray(a), packed["row_index"]))
+
+
 def test_pack_layout_holds_every_token_once():
     batch = _padded_batch()
     packed = packing.pack(batch, slices=2, rows_multiple=2)
     S, R, L = packed["tokens"].shape
-    assert S == 2 and R % 2 == 0 and L == 64 and R <= 4
+    assert S == 2 and R % 2 == 0 and R * L <= 4 * 64 and R * L * L <= 4 * 64 * 64
     assert int((packed["segment_ids"] > 0).sum()) == int(batch["mask"].sum())
     assert packed["completion_mask"].shape == (2, 4, 48)
+    np.testing.assert_array_equal(np.sort(packed["row_index"].reshape(-1)), np.arange(8))
+    np.testing.assert_array_equal(_rows(packed["advantages"], packed), batch["advantages"])
     # the gathered position's next token is the completion token it predicts
     flat = packed["tokens"].reshape(2, -1)
-    nxt = np.take_along_axis(flat, packed["gather"].reshape(2, -1) + 1, 1).reshape(8, 48)
+    nxt = _rows(np.take_along_axis(flat, packed["gather"].reshape(2, -1) + 1, 1).reshape(2, 4, 48), packed)
     comp = batch["completion_mask"] > 0
     np.testing.assert_array_equal(nxt[comp], batch["tokens"][:, 16:][comp])
+    # positions restart per sequence and each segment is one row's prompt + completion
+    seg, pos = packed["segment_ids"], packed["positions"]
+    lens = sorted(int(n) for n in batch["mask"].sum(1))
+    got = sorted(int(((seg[s, r] == k)).sum()) for s in range(S) for r in range(R) for k in range(1, seg.max() + 1)
+                 if (seg[s, r] == k).any())
+    assert got == lens and (pos[seg == 0] == 0).all()
 
 
 @pytest.mark.parametrize("impl,slices", [("naive", 1), ("blockwise", 2)])
@@ -52,8 +68,8 @@ def test_packed_logprobs_equal_padded(params, impl, slices):
     packed = jax.tree.map(jnp.asarray, packing.pack(batch, slices=slices))
     got, got_ent = packing.sequence_logprobs(cfg, params, packed, temperature=0.7)
     comp = batch["completion_mask"] > 0
-    np.testing.assert_allclose(np.asarray(got).reshape(8, -1)[comp], np.asarray(ref)[comp], atol=2e-5)
-    np.testing.assert_allclose(np.asarray(got_ent).reshape(8, -1)[comp], np.asarray(ref_ent)[comp], atol=2e-5)
+    np.testing.assert_allclose(_rows(got, packed)[comp], np.asarray(ref)[comp], atol=2e-5)
+    np.testing.assert_allclose(_rows(got_ent, packed)[comp], np.asarray(ref_ent)[comp], atol=2e-5)
 
 
 def test_packed_loss_and_gradients_equal_padded(params):

@@ -1,0 +1,73 @@
+"""Padded fraction of a config's loss batch, padded vs packed, from completion lengths alone (no model, no devices).
+
+    python -m sage_jax.packing_report --config configs/r1distill7b_branch.py --devices 64 --workload longtail
+
+Builds the step's loss batch the way trainer.rl_step does (rollouts.build_batch with the slices of the config's mesh
+data axes x optim.grad_accum x optim.mini_batches) for one step of `rollout.prompts_per_step` x `group_size` rows
+whose completion lengths are a benchmark workload (workloads.py) and whose prompts all hold --prompt-len tokens,
+and prints the share of computed positions that hold no token in each layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Sequence
+
+import numpy as np
+
+from sage_jax import cli, packing, rollouts, sharding, workloads
+from sage_jax import config as config_lib
+
+
+def report(config, devices: int, workload: str = "longtail", prompt_len: int = 256, seed: int = 0) -> dict[str, Any]:
+    """{rows, slices, padded_shape, packed_shape, padded_frac_padded, padded_frac_packed, length quantiles} of one
+    step of `config` on `devices` devices."""
+    ro_cfg, optim = config.rollout, config.optim
+    data, fsdp, _ = sharding.resolve_mesh_shape(tuple(config.mesh.shape), devices)
+    G, C = ro_cfg.group_size, ro_cfg.max_new_tokens
+    N = ro_cfg.prompts_per_step * G
+    if not 1 <= prompt_len <= config.data.max_prompt_len:
+        raise ValueError(f"--prompt-len {prompt_len}: choose 1..data.max_prompt_len ({config.data.max_prompt_len})")
+    lengths = workloads.workload_lengths(workload, N, C, seed)
+    ro = {"prompt_tokens": np.ones((N, prompt_len), np.int32), "prompt_mask": np.ones((N, prompt_len), bool),
+          "tokens": np.ones((N, C), np.int32), "lengths": lengths, "finished": lengths < C,
+          "sampler_logp": np.zeros((N, C), np.float32)}
+    slices = packing.slice_count(N, G, data * fsdp, optim.grad_accum, optim.mini_batches)
+    groups = rollouts.mini_batch_rows(N, optim.mini_batches, G, 0) if optim.mini_batches > 1 else None
+    adv = np.zeros(N, np.float32)
+    padded = rollouts.build_batch(ro, adv, 0, C)
+    packed = rollouts.build_batch(ro, adv, 0, C, packed=True, slices=slices, row_groups=groups)
+    return dict(rows=N, data_parallel=data * fsdp, grad_accum=optim.grad_accum, mini_batches=optim.mini_batches,
+                slices=slices, padded_shape=list(padded["tokens"].shape), packed_shape=list(packed["tokens"].shape),
+                padded_frac_padded=packing.padded_fraction(padded), padded_frac_packed=packing.padded_fraction(packed),
+                **workloads.length_quantiles(lengths, C))
+
+
+def format_report(r: dict[str, Any]) -> str:
+    shape = lambda s: " x ".join(str(x) for x in s)
+    return "\n".join([
+        f"{r['rows']} rows; completions p10 {r['len_p10']:.0f}, p50 {r['len_p50']:.0f}, p90 {r['len_p90']:.0f}, "
+        f"max {r['len_max']}, {100 * r['frac_at_max']:.1f}% at the max",
+        f"{r['slices']} slices = data-parallel {r['data_parallel']} x grad_accum {r['grad_accum']} x mini_batches "
+        f"{r['mini_batches']}",
+        f"padded  [{shape(r['padded_shape'])}]  padded fraction {100 * r['padded_frac_padded']:.1f}%",
+        f"packed  [{shape(r['packed_shape'])}]  padded fraction {100 * r['padded_frac_packed']:.1f}%"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    overrides, rest = config_lib.split_config_flags(list(sys.argv[1:] if argv is None else argv))
+    parser = argparse.ArgumentParser(prog="python -m sage_jax.packing_report", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="configs/NAME.py[:arg]")
+    parser.add_argument("--devices", type=int, required=True, help="devices (chips) the config's mesh spans")
+    parser.add_argument("--workload", choices=workloads.WORKLOADS, default="longtail")
+    parser.add_argument("--prompt-len", type=int, default=256, help="real tokens of every prompt")
+    parser.add_argument("--seed", type=int, default=0, help="which row gets which workload length")
+    args = parser.parse_args(rest)
+    config = config_lib.validate(config_lib.load(args.config, overrides))
+    print(format_report(report(config, args.devices, args.workload, args.prompt_len, args.seed)))
+    return 0
+
+
+if __name__ == "__main__":
+    cli.main_guard(main)
