@@ -195,3 +195,12 @@ def test_packed_shapes_and_compiles_stay_bounded(params):
                                   temperature=1.0)
     assert len(shapes) <= 4
     assert packing.sequence_logprobs._cache_size() - before == len(shapes)
+
+
+def test_packing_report_cli(capsys):
+    assert packing_report.main(["--config", "configs/tiny_test.py", "--devices", "2", "--workload", "longtail",
+                                "--prompt-len", "8", "--config.rollout.max_new_tokens=64"]) == 0
+    out = capsys.readouterr().out
+    assert "16 rows" in out and "padded  [16 x 72]" in out and "packed  [2 x" in out
+    with pytest.raises(ValueError, match="prompt-len"):
+        packing_report.main(["--config", "configs/tiny_test.py", "--devices", "1", "--prompt-len", "4096"])
