@@ -137,7 +137,10 @@ def _mini_batches(dev, n_mb: int, group_size: int, rl_step: int, packed: bool):
         yield dev
         return
     S = dev["tokens"].shape[0]
-    runs = np.arange(S).reshape(n_mb, -1) if packed else rollouts.mini_batch_rows(S, n_mb, group_size, rl_step)
+    if packed:
+        runs = [slice(i, i + S // n_mb) for i in range(0, S, S // n_mb)]
+    else:
+        runs = rollouts.mini_batch_rows(S, n_mb, group_size, rl_step)
     for rows in runs:
         yield {k: (v if v.ndim == 0 else v[rows]) for k, v in dev.items()}
 
