@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import heapq
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -98,11 +98,12 @@ def row_len_candidates(longest: int, width: int, n: int) -> list[int]:
 
 
 def layout(seq_lens: np.ndarray, slices: int, width: int, row_groups: np.ndarray | None = None,
-           row_len: int = 0, rows_multiple: int = 1) -> Layout:
+           row_len: int = 0, rows_multiple: int = 1, budget_rows: int = 0) -> Layout:
     """Where each sequence of seq_lens [N] goes (module docstring); width: the padded row's T.
 
     row_groups [parts, N / parts]: padded rows that must share mini-batch part p (its slices are the p-th
-    slices / parts ones); default all rows one part. row_len > 0 fixes L instead of choosing it."""
+    slices / parts ones); default all rows one part. row_len > 0 fixes L instead of choosing it. budget_rows: the
+    padded rows whose positions and scores bound a slice (default its own n)."""
     seq_lens = np.asarray(seq_lens, np.int64)
     N = len(seq_lens)
     groups = np.arange(N)[None] if row_groups is None else np.asarray(row_groups)
@@ -110,7 +111,7 @@ def layout(seq_lens: np.ndarray, slices: int, width: int, row_groups: np.ndarray
     if N % slices or slices % parts or groups.size != N:
         raise ValueError(f"{N} rows do not split into {slices} slices over {parts} mini-batches: choose a slice "
                          "count that divides the rows and is a multiple of the mini-batches")
-    n = N // slices
+    n = budget_rows or N // slices
     row_index = np.concatenate([g[_balanced_slices(seq_lens[g], slices // parts)] for g in groups])
     longest = int(seq_lens.max(initial=1))
     if row_len and longest > row_len:
@@ -131,12 +132,19 @@ def layout(seq_lens: np.ndarray, slices: int, width: int, row_groups: np.ndarray
     return Layout(row_index.astype(np.int32), row, offset, R, L)
 
 
-def pack(batch: Mapping[str, np.ndarray], slices: int = 1, row_len: int = 0, rows_multiple: int = 1,
+def _within(lay: Layout, budget_rows: int, width: int) -> bool:
+    return lay.rows * lay.row_len <= budget_rows * width and lay.rows * lay.row_len ** 2 <= budget_rows * width ** 2
+
+
+def pack(batch: Mapping[str, np.ndarray], slices: int | Sequence[int] = 1, row_len: int = 0, rows_multiple: int = 1,
          pad_id: int = 0, row_groups: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """The packed layout (module docstring) of a padded loss batch (host numpy arrays, rows [N, ...]).
 
-    row_len: tokens per packed row (0: chosen, see `layout`); R is rounded up to a multiple of rows_multiple;
-    row_groups: the padded rows of each mini-batch (`layout`)."""
+    slices: a count, or the counts to choose from (slice_options): the one computing the fewest positions whose
+    slices stay within the largest count's budget (its n padded rows each), a smaller count only where it saves
+    MIN_SAVING of the largest one's positions; row_len: tokens per packed row (0:
+    chosen, see `layout`); R is rounded up to a multiple of rows_multiple; row_groups: the padded rows of each
+    mini-batch (`layout`)."""
     tokens, mask = np.asarray(batch["tokens"]), np.asarray(batch["mask"]) > 0
     comp = np.asarray(batch["completion_mask"]) > 0
     N, T = tokens.shape
@@ -145,8 +153,17 @@ def pack(batch: Mapping[str, np.ndarray], slices: int = 1, row_len: int = 0, row
     prompt_lens, comp_lens = mask[:, :P].sum(1), comp.sum(1)
     if np.any(prompt_lens < 1):
         raise ValueError("every row needs at least one prompt token to predict its first completion token from")
-    lay = layout(prompt_lens + comp_lens, slices, T, row_groups, row_len, rows_multiple)
-    S, n, R, L = slices, N // slices, lay.rows, lay.row_len
+    options = sorted({slices} if isinstance(slices, int) else set(slices))
+    if N % options[-1]:
+        raise ValueError(f"{N} rows do not split into {options[-1]} slices: choose a slice count that divides them")
+    budget = N // options[-1]
+    lays = {s: layout(prompt_lens + comp_lens, s, T, row_groups, row_len, rows_multiple, budget) for s in options}
+    cost = {s: s * lays[s].rows * lays[s].row_len for s in options}
+    # fewer slices (micro-batches) only where they save MIN_SAVING of the positions: fewer shapes to compile
+    fitting = [s for s in options if s == options[-1] or (_within(lays[s], budget, T) and
+                                                          cost[s] <= (1 - MIN_SAVING) * cost[options[-1]])]
+    S = min(fitting, key=lambda s: (cost[s], -s))
+    lay, n, R, L = lays[S], N // S, lays[S].rows, lays[S].row_len
     out = {k: np.zeros((S, R, L), np.int32) for k in PACKED_KEYS}
     out["tokens"][:] = pad_id
     gather = np.zeros((S, n, C), np.int32)
@@ -170,7 +187,7 @@ def pack(batch: Mapping[str, np.ndarray], slices: int = 1, row_len: int = 0, row
     return out
 
 
-def pack_if_smaller(batch: Mapping[str, np.ndarray], slices: int = 1, rows_multiple: int = 1,
+def pack_if_smaller(batch: Mapping[str, np.ndarray], slices: int | Sequence[int] = 1, rows_multiple: int = 1,
                     pad_id: int = 0, row_groups: np.ndarray | None = None) -> Mapping[str, np.ndarray]:
     """pack(), or the padded batch itself where packing would not remove MIN_SAVING of the computed positions
     (equal lengths: the packed rows would be the padded ones, plus logits on prompt positions); loss_fn takes both."""
@@ -184,14 +201,22 @@ def is_packed(batch: Mapping[str, Any]) -> bool:
     return "segment_ids" in batch
 
 
-def slice_count(rows: int, group_size: int, data_parallel: int, grad_accum: int, mini_batches: int) -> int:
-    """One slice per data-parallel device x micro-batch x mini-batch (mini-batches of whole prompt groups)."""
+def slice_options(rows: int, group_size: int, data_parallel: int, grad_accum: int, mini_batches: int) -> list[int]:
+    """Slice counts for pack: one slice per data-parallel device x micro-batch x mini-batch (mini-batches of whole
+    prompt groups), with optim.grad_accum micro-batches or fewer (a divisor: fewer, fuller micro-batches where the
+    configured ones would hold mostly padding; each is one jitted train step, see micro_batches)."""
     slices = data_parallel * grad_accum * mini_batches
     if rows % slices or (rows // group_size) % mini_batches:
         raise ValueError(f"train.packing: {rows} rows ({rows // group_size} groups of {group_size}) do not split "
                          f"into {slices} slices (data-parallel devices x optim.grad_accum x optim.mini_batches) "
                          "with whole groups per mini-batch; change those or set --config.train.packing=False")
-    return slices
+    return [data_parallel * a * mini_batches for a in range(1, grad_accum + 1) if grad_accum % a == 0]
+
+
+def micro_batches(batch: Mapping[str, Any], data_parallel: int, grad_accum: int) -> int:
+    """The micro-batch count a train step over `batch` (one mini-batch) splits it into: packed, its slices per
+    data-parallel device; padded, optim.grad_accum."""
+    return batch["tokens"].shape[0] // data_parallel if is_packed(batch) else grad_accum
 
 
 def row_view(a: jax.Array) -> jax.Array:

@@ -50,13 +50,15 @@ def report(config, devices: int, workload: str = "longtail", prompt_len: int = 2
     ro = {"prompt_tokens": np.ones((N, prompt_len), np.int32), "prompt_mask": np.ones((N, prompt_len), bool),
           "tokens": np.ones((N, C), np.int32), "lengths": lengths, "finished": lengths < C,
           "sampler_logp": np.zeros((N, C), np.float32)}
-    slices = packing.slice_count(N, G, data * fsdp, optim.grad_accum, optim.mini_batches)
+    slices = packing.slice_options(N, G, data * fsdp, optim.grad_accum, optim.mini_batches)
     groups = rollouts.mini_batch_rows(N, optim.mini_batches, G, 0) if optim.mini_batches > 1 else None
     adv = np.zeros(N, np.float32)
     padded = rollouts.build_batch(ro, adv, 0, C)
     packed = rollouts.build_batch(ro, adv, 0, C, packed=True, slices=slices, row_groups=groups)
     return dict(rows=N, data_parallel=data * fsdp, grad_accum=optim.grad_accum, mini_batches=optim.mini_batches,
-                slices=slices, padded_shape=list(padded["tokens"].shape), packed_shape=list(packed["tokens"].shape),
+                slices=packed["tokens"].shape[0] if packing.is_packed(packed) else slices[-1],
+                micro_batches=packing.micro_batches(packed, data * fsdp * optim.mini_batches, optim.grad_accum),
+                padded_shape=list(padded["tokens"].shape), packed_shape=list(packed["tokens"].shape),
                 padded_frac_padded=packing.padded_fraction(padded), padded_frac_packed=packing.padded_fraction(packed),
                 **workloads.length_quantiles(lengths, C))
 
@@ -66,8 +68,8 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join([
         f"{r['rows']} rows; completions p10 {r['len_p10']:.0f}, p50 {r['len_p50']:.0f}, p90 {r['len_p90']:.0f}, "
         f"max {r['len_max']}, {100 * r['frac_at_max']:.1f}% at the max",
-        f"{r['slices']} slices = data-parallel {r['data_parallel']} x grad_accum {r['grad_accum']} x mini_batches "
-        f"{r['mini_batches']}",
+        f"{r['slices']} slices = data-parallel {r['data_parallel']} x {r['micro_batches']} micro-batches (grad_accum "
+        f"{r['grad_accum']}) x mini_batches {r['mini_batches']}",
         f"padded  [{shape(r['padded_shape'])}]  padded fraction {100 * r['padded_frac_padded']:.1f}%",
         f"packed  [{shape(r['packed_shape'])}]  padded fraction {100 * r['padded_frac_packed']:.1f}%"])
 

@@ -3,7 +3,7 @@ shape them into the loss's batch layout (padded or packed)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -110,12 +110,14 @@ def mini_batch_rows(rows: int, mini_batches: int, group_size: int, rl_step: int)
 
 
 def build_batch(ro: dict[str, Any], advantages: np.ndarray, pad_id: int, max_new_tokens: int, packed: bool = False,
-                slices: int = 1, rows_multiple: int = 1, row_groups: np.ndarray | None = None) -> dict[str, np.ndarray]:
+                slices: int | Sequence[int] = 1, rows_multiple: int = 1, row_groups: np.ndarray | None = None
+                ) -> dict[str, np.ndarray]:
     """Loss batch (objectives.loss_fn layout); completions trimmed to a length bucket to save compute.
 
-    packed: several rows' real tokens per row instead (packing.pack: `slices` slices of balanced rows, within each
-    mini-batch of row_groups, for packing.loss_fn / packing.sequence_logprobs), so the model computes on real tokens
-    only; kept padded where that would not save much (packing.pack_if_smaller: equal lengths).
+    packed: several rows' real tokens per row instead (packing.pack: `slices` slices, or the best of several
+    counts, of balanced rows within each mini-batch of row_groups, for packing.loss_fn / packing.sequence_logprobs),
+    so the model computes on real tokens only; kept padded where that would not save much
+    (packing.pack_if_smaller: equal lengths).
     """
     C = min(bucket_length(int(ro["lengths"].max(initial=1)), COMPLETION_BUCKETS), max_new_tokens)
     comp = ro["tokens"][:, :C]

@@ -114,11 +114,27 @@ def _loss_batch(ctx: RLContext, ro, adv_N: np.ndarray, rl_step: int) -> dict[str
     if not ctx.packing:
         return rollouts.build_batch(ro, adv_N, ctx.cfg.pad_token_id, ctx.max_new_tokens)
     N = len(ro["lengths"])
-    slices = packing.slice_count(N, ctx.group_size, ctx.mesh.shape["data"] * ctx.mesh.shape["fsdp"],
-                                 ctx.grad_accum, ctx.mini_batches)
+    slices = packing.slice_options(N, ctx.group_size, _data_parallel(ctx.mesh), ctx.grad_accum, ctx.mini_batches)
     groups = rollouts.mini_batch_rows(N, ctx.mini_batches, ctx.group_size, rl_step) if ctx.mini_batches > 1 else None
     return rollouts.build_batch(ro, adv_N, ctx.cfg.pad_token_id, ctx.max_new_tokens, packed=True, slices=slices,
                                 row_groups=groups)
+
+
+def _data_parallel(mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def _train_steps(make_step: Callable[[int], Callable], grad_accum: int, data_parallel: int) -> Callable:
+    """train_step(state, batch, *base) with as many micro-batches as the batch has (packing.micro_batches: a packed
+    step may use fewer than optim.grad_accum); one jitted step per count, made when first needed."""
+    steps: dict[int, Callable] = {}
+
+    def train_step(state, batch, *base):
+        accum = packing.micro_batches(batch, data_parallel, grad_accum)
+        if accum not in steps:
+            steps[accum] = make_step(accum)
+        return steps[accum](state, batch, *base)
+    return train_step
 
 
 def _no_grad_logprobs(ctx: RLContext, cfg, params, dev, ro, packed: bool):
@@ -192,9 +208,10 @@ def setup_rl(config, mesh, rules, tokenizer, params_override=None) -> tuple[RLCo
     loss_cfg = loss_config(config)
     tx, schedule = train_state.make_optimizer(optim, config.train.steps * optim.num_iterations * optim.mini_batches)
     state, shardings = train_state.create_state(params, tx, cfg, mesh, rules, trained_sh)
-    step_fn = train_state.make_train_step(cfg, loss_cfg, tx, schedule, config.seed, optim.grad_accum, shardings,
-                                          loss_fn=packing.loss_fn if config.train.packing else None,
-                                          lora_cfg=lora_cfg, base_shardings=base_sh)
+    make_step = lambda accum: train_state.make_train_step(
+        cfg, loss_cfg, tx, schedule, config.seed, accum, shardings, loss_fn=packing.loss_fn if config.train.packing
+        else None, lora_cfg=lora_cfg, base_shardings=base_sh)
+    step_fn = _train_steps(make_step, optim.grad_accum, _data_parallel(mesh))
     ctx = RLContext(cfg=cfg, ref_cfg=ref_cfg, ref_params=ref_params, loss_cfg=loss_cfg, train_step=step_fn,
                     mesh=mesh, group_size=config.rollout.group_size, max_new_tokens=config.rollout.max_new_tokens,
                     num_iterations=optim.num_iterations, mini_batches=optim.mini_batches,

@@ -204,3 +204,25 @@ def test_packing_report_cli(capsys):
     assert "16 rows" in out and "padded  [16 x 72]" in out and "packed  [2 x" in out
     with pytest.raises(ValueError, match="prompt-len"):
         packing_report.main(["--config", "configs/tiny_test.py", "--devices", "1", "--prompt-len", "4096"])
+
+
+def test_fewer_micro_batches_where_the_configured_ones_are_mostly_padding(params):
+    """One long completion among short ones: 4 micro-batches of 4 rows each need 2 rows of 64 per slice; 2 micro-batches
+    of 8 rows pack into less (still under the 4-row budget). The update with 2 accumulated micro-batches equals the
+    padded one with 4."""
+    batch = _padded_batch(N=16, seed=5)
+    comp_lens = np.concatenate([[48], np.random.default_rng(5).integers(1, 9, 15)])
+    batch["completion_mask"] = (np.arange(48)[None] < comp_lens[:, None]).astype(np.float32)
+    batch["mask"] = np.concatenate([batch["mask"][:, :16], batch["completion_mask"].astype(np.int32)], 1)
+    batch["tokens"] = batch["tokens"] * batch["mask"]
+    options = packing.slice_options(16, 2, data_parallel=1, grad_accum=4, mini_batches=1)
+    assert options == [1, 2, 4]
+    packed = packing.pack(batch, slices=options)
+    S, R, L = packed["tokens"].shape
+    assert S < 4 and S * R * L < packing.pack(batch, slices=4)["tokens"].size and R * L <= 4 * 64
+    accum = packing.micro_batches(packed, data_parallel=1, grad_accum=4)
+    assert accum == S
+    want, _ = _sgd_delta(None, batch, params, 4, LOSS)
+    got, _ = _sgd_delta(packing.loss_fn, packed, params, accum, LOSS)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=2e-6)

@@ -318,9 +318,9 @@ def test_packed_rl_step_equals_padded(overrides):
         with jax.set_mesh(mesh), sharding.use_rules(rules):
             ctx, state = trainer.setup_rl(config, mesh, rules, tokenizer)
             tx = optax.sgd(0.1)
-            step_fn = train_state.make_train_step(ctx.cfg, ctx.loss_cfg, tx, lambda s: 0.1, config.seed,
-                                                  config.optim.grad_accum, loss_fn=packing.loss_fn if packed else None)
-            ctx = dataclasses.replace(ctx, train_step=step_fn)
+            make = lambda accum: train_state.make_train_step(ctx.cfg, ctx.loss_cfg, tx, lambda s: 0.1, config.seed,
+                                                             accum, loss_fn=packing.loss_fn if packed else None)
+            ctx = dataclasses.replace(ctx, train_step=trainer._train_steps(make, config.optim.grad_accum, 2))
             state = train_state.init_state(jax.tree.map(jnp.copy, state["params"]), tx)
             res = trainer.rl_step(ctx, state, 0, lambda params, step: (ro, {}))
             out[packed] = jax.device_get((res.state["params"], res.metrics, res.host))
@@ -329,3 +329,16 @@ def test_packed_rl_step_equals_padded(overrides):
     np.testing.assert_allclose(m_pack["loss/total"], m_pad["loss/total"], rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(p_pack), jax.tree.leaves(p_pad)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_train_steps_follow_the_packed_micro_batch_count():
+    made = []
+
+    def make(accum):
+        made.append(accum)
+        return lambda state, batch: (state, accum)
+    step = trainer._train_steps(make, grad_accum=8, data_parallel=2)
+    packed = lambda S: {"tokens": np.zeros((S, 1, 4)), "segment_ids": np.zeros((S, 1, 4))}
+    assert [step(None, packed(S))[1] for S in (4, 16, 4)] == [2, 8, 2]
+    assert step(None, {"tokens": np.zeros((6, 4))})[1] == 8  # padded: the configured count
+    assert made == [2, 8]  # one step per count, made once
