@@ -25,7 +25,9 @@ first, each to the least-filled slice with a free slot (`row_groups`: within eac
 L and row count R for all slices is chosen from a grid (multiples of a power-of-two granule, and the padded width)
 to minimise S * R * L, subject to R * L <= n * T and R * L^2 <= n * T^2 for padded width T: a slice never computes
 more positions or attention scores than the n padded rows it replaces, so the padded layout's memory plan bounds
-it, and the shapes (hence compiled programs) come from a finite set per padded width.
+it, and the shapes (hence compiled programs) come from a finite set per padded width. Where even so most positions
+would be padding (every slice must fit the longest sequence), pack may use fewer slices, i.e. fewer and fuller
+micro-batches (slice_options, micro_batches), under the same per-slice bound.
 """
 
 from __future__ import annotations
