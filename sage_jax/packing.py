@@ -138,15 +138,30 @@ def _within(lay: Layout, budget_rows: int, width: int) -> bool:
     return lay.rows * lay.row_len <= budget_rows * width and lay.rows * lay.row_len ** 2 <= budget_rows * width ** 2
 
 
+def choose_layout(seq_lens: np.ndarray, slices: int | Sequence[int], width: int, row_groups: np.ndarray | None = None,
+                  row_len: int = 0, rows_multiple: int = 1) -> tuple[int, Layout]:
+    """(slice count, its layout) for `slices`: a count, or the counts to choose from (slice_options). A count
+    below the largest is taken only where its slices stay within the largest one's budget (its n padded rows each)
+    and it saves MIN_SAVING of the largest one's positions (fewer shapes to compile); then the fewest positions."""
+    options = sorted({slices} if isinstance(slices, int) else set(slices))
+    N = len(seq_lens)
+    if N % options[-1]:
+        raise ValueError(f"{N} rows do not split into {options[-1]} slices: choose a slice count that divides them")
+    budget = N // options[-1]
+    lays = {s: layout(seq_lens, s, width, row_groups, row_len, rows_multiple, budget) for s in options}
+    cost = {s: s * lays[s].rows * lays[s].row_len for s in options}
+    fitting = [s for s in options if s == options[-1] or (_within(lays[s], budget, width) and
+                                                          cost[s] <= (1 - MIN_SAVING) * cost[options[-1]])]
+    S = min(fitting, key=lambda s: (cost[s], -s))
+    return S, lays[S]
+
+
 def pack(batch: Mapping[str, np.ndarray], slices: int | Sequence[int] = 1, row_len: int = 0, rows_multiple: int = 1,
          pad_id: int = 0, row_groups: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """The packed layout (module docstring) of a padded loss batch (host numpy arrays, rows [N, ...]).
 
-    slices: a count, or the counts to choose from (slice_options): the one computing the fewest positions whose
-    slices stay within the largest count's budget (its n padded rows each), a smaller count only where it saves
-    MIN_SAVING of the largest one's positions; row_len: tokens per packed row (0:
-    chosen, see `layout`); R is rounded up to a multiple of rows_multiple; row_groups: the padded rows of each
-    mini-batch (`layout`)."""
+    slices: a count or the counts to choose from (choose_layout); row_len: tokens per packed row (0: chosen, see
+    `layout`); R is rounded up to a multiple of rows_multiple; row_groups: the padded rows of each mini-batch."""
     tokens, mask = np.asarray(batch["tokens"]), np.asarray(batch["mask"]) > 0
     comp = np.asarray(batch["completion_mask"]) > 0
     N, T = tokens.shape
@@ -155,17 +170,8 @@ def pack(batch: Mapping[str, np.ndarray], slices: int | Sequence[int] = 1, row_l
     prompt_lens, comp_lens = mask[:, :P].sum(1), comp.sum(1)
     if np.any(prompt_lens < 1):
         raise ValueError("every row needs at least one prompt token to predict its first completion token from")
-    options = sorted({slices} if isinstance(slices, int) else set(slices))
-    if N % options[-1]:
-        raise ValueError(f"{N} rows do not split into {options[-1]} slices: choose a slice count that divides them")
-    budget = N // options[-1]
-    lays = {s: layout(prompt_lens + comp_lens, s, T, row_groups, row_len, rows_multiple, budget) for s in options}
-    cost = {s: s * lays[s].rows * lays[s].row_len for s in options}
-    # fewer slices (micro-batches) only where they save MIN_SAVING of the positions: fewer shapes to compile
-    fitting = [s for s in options if s == options[-1] or (_within(lays[s], budget, T) and
-                                                          cost[s] <= (1 - MIN_SAVING) * cost[options[-1]])]
-    S = min(fitting, key=lambda s: (cost[s], -s))
-    lay, n, R, L = lays[S], N // S, lays[S].rows, lays[S].row_len
+    S, lay = choose_layout(prompt_lens + comp_lens, slices, T, row_groups, row_len, rows_multiple)
+    n, R, L = N // S, lay.rows, lay.row_len
     out = {k: np.zeros((S, R, L), np.int32) for k in PACKED_KEYS}
     out["tokens"][:] = pad_id
     gather = np.zeros((S, n, C), np.int32)
