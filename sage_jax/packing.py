@@ -1,28 +1,40 @@
 """Packed loss batches: several (prompt + completion) sequences per row, so the model computes on real tokens.
 
 The padded loss batch (objectives.loss_fn layout) gives every row the step's prompt bucket plus its completion
-bucket; with long-tailed lengths most of that is padding. `pack` moves each row's real tokens into rows of
-`row_len` tokens (first-fit decreasing), with segment ids (1, 2, ... per sequence, 0 = padding) and positions that
-restart in each sequence, so attention never crosses sequences (attention.py) and each token sees exactly the
-context it had in the padded row.
+bucket; with long-tailed lengths most of that is padding. `pack` moves each row's real tokens into packed rows, with
+segment ids (1, 2, ... per sequence, 0 = padding) and positions that restart in each sequence, so attention never
+crosses sequences (attention.py) and each token sees exactly the context it had in the padded row.
 
-Everything per row of the padded batch keeps its [N, C] layout (completion_mask, advantages, sampler_logp, ref_logp,
-...); the model's per-token log-probs are computed on the packed rows and gathered back into [N, C] by `gather`, so
+Everything per row of the padded batch keeps its [n, C] layout (completion_mask, advantages, sampler_logp, ref_logp,
+...); the model's per-token log-probs are computed on the packed rows and gathered back into [n, C] by `gather`, so
 the loss (objectives.loss_from_logprobs) is the padded batch's loss, unchanged.
 
-Layout: every array leads with a slice axis S. The N rows are cut into S contiguous slices (whole rows each) packed
-independently, so splitting the leading axis (over processes, data-parallel devices, gradient-accumulation
-micro-batches or mini-batches) keeps each slice's packed rows with the rows they hold:
-  tokens, segment_ids, positions  int32 [S, R, row_len]
-  gather                          int32 [S, n, C]   flat index into R * row_len of the position predicting
-                                                    completion token j of row i (0 where completion_mask is 0)
-  per-row arrays                  [S, n, ...]       n = N / S
+Layout: every array leads with a slice axis S: one slice per (mini-batch, micro-batch, data-parallel device), each
+with the same number n = N / S of the padded batch's rows, so splitting the leading axis keeps each slice's packed
+rows with the rows they hold and every micro-batch has as many rows as in the padded layout (seq-mean losses
+average the same way; token-mean divides by the whole batch's count, objectives.with_batch_normaliser):
+  tokens, segment_ids, positions  int32 [S, R, L]
+  gather                          int32 [S, n, C]   flat index into R * L of the position predicting completion
+                                                    token j of the slot's row (0 where completion_mask is 0)
+  row_index                       int32 [S, n]      the padded-batch row each slot holds
+  per-row arrays                  [S, n, ...]       the padded batch's rows, in row_index order
+
+Which rows share a slice is chosen for balance, not kept contiguous: few rows per slice (a 7B step has 4-8 per
+device and micro-batch) packed on their own would leave most of a fixed-width row empty. Rows go to slices longest
+first, each to the least-filled slice with a free slot (`row_groups`: within each mini-batch), then one row length
+L and row count R for all slices is chosen from a grid (multiples of a power-of-two granule, and the padded width)
+to minimise S * R * L, subject to R * L <= n * T and R * L^2 <= n * T^2 for padded width T: a slice never computes
+more positions or attention scores than the n padded rows it replaces, so the padded layout's memory plan bounds
+it, and the shapes (hence compiled programs) come from a finite set per padded width. Where even so most positions
+would be padding (every slice must fit the longest sequence), pack may use fewer slices, i.e. fewer and fuller
+micro-batches (slice_options, micro_batches), under the same per-slice bound.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping
+import heapq
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +44,17 @@ from sage_jax import model as model_lib
 from sage_jax import objectives
 
 PACKED_KEYS = ("tokens", "segment_ids", "positions")
+LAYOUT_KEYS = (*PACKED_KEYS, "gather", "row_index")  # the packing itself, not per-row loss inputs
 MIN_SAVING = 1 / 8  # pack_if_smaller keeps the padded batch unless packing removes at least this share of positions
+MIN_GRANULE = 128
+
+
+class Layout(NamedTuple):
+    row_index: np.ndarray  # int32 [S, n]: padded-batch row of each slot
+    row: np.ndarray        # int32 [N]: packed row (within its slice) that padded row i goes to
+    offset: np.ndarray     # int32 [N]: where in that packed row its sequence starts
+    rows: int              # R packed rows per slice
+    row_len: int           # L tokens per packed row
 
 
 def _first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[tuple[int, int]]:
@@ -51,64 +73,133 @@ def _first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[tuple[int,
     return place
 
 
-def pack(batch: Mapping[str, np.ndarray], slices: int = 1, row_len: int = 0, rows_multiple: int = 1,
-         pad_id: int = 0) -> dict[str, np.ndarray]:
+def _balanced_slices(lengths: np.ndarray, slices: int) -> np.ndarray:
+    """int [slices, n]: indices of `lengths` per slice, n each, longest first into the least-filled slice."""
+    n = len(lengths) // slices
+    heap = [(0, s) for s in range(slices)]
+    members: list[list[int]] = [[] for _ in range(slices)]
+    for i in np.argsort(-lengths, kind="stable"):
+        load, s = heapq.heappop(heap)
+        members[s].append(int(i))
+        if len(members[s]) < n:
+            heapq.heappush(heap, (load + int(lengths[i]), s))
+    return np.asarray(members, np.int64).reshape(slices, n)
+
+
+def granule(width: int) -> int:
+    """The row-length step: the largest power of two <= width / 16, at least MIN_GRANULE."""
+    return max(MIN_GRANULE, 1 << max(0, (width // 16).bit_length() - 1))
+
+
+def row_len_candidates(longest: int, width: int, n: int) -> list[int]:
+    """Packed row lengths to try: the padded width and the granule's multiples from `longest` up to sqrt(n) * width
+    (past that one row alone would hold more attention scores than n padded rows)."""
+    g = granule(width)
+    top = int(np.sqrt(n) * width)
+    return sorted({width} | set(range(-(-longest // g) * g, top + 1, g)))
+
+
+def layout(seq_lens: np.ndarray, slices: int, width: int, row_groups: np.ndarray | None = None,
+           row_len: int = 0, rows_multiple: int = 1, budget_rows: int = 0) -> Layout:
+    """Where each sequence of seq_lens [N] goes (module docstring); width: the padded row's T.
+
+    row_groups [parts, N / parts]: padded rows that must share mini-batch part p (its slices are the p-th
+    slices / parts ones); default all rows one part. row_len > 0 fixes L instead of choosing it. budget_rows: the
+    padded rows whose positions and scores bound a slice (default its own n)."""
+    seq_lens = np.asarray(seq_lens, np.int64)
+    N = len(seq_lens)
+    groups = np.arange(N)[None] if row_groups is None else np.asarray(row_groups)
+    parts = groups.shape[0]
+    if N % slices or slices % parts or groups.size != N:
+        raise ValueError(f"{N} rows do not split into {slices} slices over {parts} mini-batches: choose a slice "
+                         "count that divides the rows and is a multiple of the mini-batches")
+    n = budget_rows or N // slices
+    row_index = np.concatenate([g[_balanced_slices(seq_lens[g], slices // parts)] for g in groups])
+    longest = int(seq_lens.max(initial=1))
+    if row_len and longest > row_len:
+        raise ValueError(f"a sequence of {longest} tokens does not fit packed rows of {row_len}: raise row_len")
+    best, fullest = None, int(seq_lens[row_index].sum(1).max())
+    for L in [row_len] if row_len else row_len_candidates(longest, width, n):
+        if best is not None and -(-fullest // L) * L >= best[0]:
+            continue  # even a perfect fill of the fullest slice costs no less than the best so far
+        places = [_first_fit_decreasing(seq_lens[ix], L) for ix in row_index]
+        R = -(-max(1 + max(b for b, _ in p) for p in places) // rows_multiple) * rows_multiple
+        fits = R * L <= n * width and R * L * L <= n * width * width
+        if (fits or row_len or L == width) and (best is None or R * L < best[0]):
+            best = (R * L, R, L, places)
+    _, R, L, places = best
+    row, offset = np.zeros(N, np.int32), np.zeros(N, np.int32)
+    for ix, place in zip(row_index, places):
+        row[ix], offset[ix] = np.asarray(place, np.int32).T.reshape(2, -1)
+    return Layout(row_index.astype(np.int32), row, offset, R, L)
+
+
+def _within(lay: Layout, budget_rows: int, width: int) -> bool:
+    return lay.rows * lay.row_len <= budget_rows * width and lay.rows * lay.row_len ** 2 <= budget_rows * width ** 2
+
+
+def choose_layout(seq_lens: np.ndarray, slices: int | Sequence[int], width: int, row_groups: np.ndarray | None = None,
+                  row_len: int = 0, rows_multiple: int = 1) -> tuple[int, Layout]:
+    """(slice count, its layout) for `slices`: a count, or the counts to choose from (slice_options). A count
+    below the largest is taken only where its slices stay within the largest one's budget (its n padded rows each)
+    and it saves MIN_SAVING of the largest one's positions (fewer shapes to compile); then the fewest positions."""
+    options = sorted({slices} if isinstance(slices, int) else set(slices))
+    N = len(seq_lens)
+    if N % options[-1]:
+        raise ValueError(f"{N} rows do not split into {options[-1]} slices: choose a slice count that divides them")
+    budget = N // options[-1]
+    lays = {s: layout(seq_lens, s, width, row_groups, row_len, rows_multiple, budget) for s in options}
+    cost = {s: s * lays[s].rows * lays[s].row_len for s in options}
+    fitting = [s for s in options if s == options[-1] or (_within(lays[s], budget, width) and
+                                                          cost[s] <= (1 - MIN_SAVING) * cost[options[-1]])]
+    S = min(fitting, key=lambda s: (cost[s], -s))
+    return S, lays[S]
+
+
+def pack(batch: Mapping[str, np.ndarray], slices: int | Sequence[int] = 1, row_len: int = 0, rows_multiple: int = 1,
+         pad_id: int = 0, row_groups: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """The packed layout (module docstring) of a padded loss batch (host numpy arrays, rows [N, ...]).
 
-    row_len: tokens per packed row (0: the padded row's width, so every sequence fits and the shape is as stable as
-    the padded batch's: equal-length rows then pack one per row, as padded); every slice gets the same number of
-    rows R, rounded up to a multiple of rows_multiple (fewer distinct shapes to compile).
-    """
+    slices: a count or the counts to choose from (choose_layout); row_len: tokens per packed row (0: chosen, see
+    `layout`); R is rounded up to a multiple of rows_multiple; row_groups: the padded rows of each mini-batch."""
     tokens, mask = np.asarray(batch["tokens"]), np.asarray(batch["mask"]) > 0
     comp = np.asarray(batch["completion_mask"]) > 0
     N, T = tokens.shape
     C = comp.shape[1]
     P = T - C
-    if N % slices:
-        raise ValueError(f"{N} rows do not split into {slices} slices: choose a slice count that divides the rows")
     prompt_lens, comp_lens = mask[:, :P].sum(1), comp.sum(1)
     if np.any(prompt_lens < 1):
         raise ValueError("every row needs at least one prompt token to predict its first completion token from")
-    seq_lens = prompt_lens + comp_lens
-    longest = int(seq_lens.max(initial=1))
-    row_len = row_len or T
-    if longest > row_len:
-        raise ValueError(f"a sequence of {longest} tokens does not fit packed rows of {row_len}: raise row_len")
-    n = N // slices
-    places = [_first_fit_decreasing(seq_lens[s * n:(s + 1) * n], row_len) for s in range(slices)]
-    R = max(1 + max(b for b, _ in p) for p in places)
-    R = -(-R // rows_multiple) * rows_multiple
-    out = {k: np.zeros((slices, R, row_len), np.int32) for k in PACKED_KEYS}
+    S, lay = choose_layout(prompt_lens + comp_lens, slices, T, row_groups, row_len, rows_multiple)
+    n, R, L = N // S, lay.rows, lay.row_len
+    out = {k: np.zeros((S, R, L), np.int32) for k in PACKED_KEYS}
     out["tokens"][:] = pad_id
-    gather = np.zeros((slices, n, C), np.int32)
-    for s, place in enumerate(places):
-        in_row = np.zeros(R, np.int32)  # sequences placed so far per packed row: the next segment id - 1
-        for i_local in sorted(range(n), key=lambda i: place[i][1]):
-            b, o = place[i_local]
-            i = s * n + i_local
+    gather = np.zeros((S, n, C), np.int32)
+    for s, ix in enumerate(lay.row_index):
+        for j, i in enumerate(ix):  # slot j: segment ids count the row's sequences left to right
+            b, o = lay.row[i], lay.offset[i]
             seq = np.concatenate([tokens[i, :P][mask[i, :P]], tokens[i, P:][comp[i]]])
-            in_row[b] += 1
             out["tokens"][s, b, o:o + len(seq)] = seq
-            out["segment_ids"][s, b, o:o + len(seq)] = in_row[b]
             out["positions"][s, b, o:o + len(seq)] = np.arange(len(seq))
-            j = np.arange(comp_lens[i])
-            gather[s, i_local, j] = b * row_len + o + prompt_lens[i] - 1 + j
-    out["gather"] = gather
+            out["segment_ids"][s, b, o:o + len(seq)] = 1 + int(np.sum((lay.row[ix] == b) & (lay.offset[ix] < o)))
+            gather[s, j, :comp_lens[i]] = b * L + o + prompt_lens[i] - 1 + np.arange(comp_lens[i])
+    out["gather"], out["row_index"] = gather, lay.row_index
+    order = lay.row_index.reshape(-1)
     for k, v in batch.items():
         if k in ("tokens", "mask", "rl_step"):
             continue
         v = np.asarray(v)
-        out[k] = v.reshape(slices, n, *v.shape[1:])
+        out[k] = v[order].reshape(S, n, *v.shape[1:])
     if "rl_step" in batch:
         out["rl_step"] = batch["rl_step"]
     return out
 
 
-def pack_if_smaller(batch: Mapping[str, np.ndarray], slices: int = 1, rows_multiple: int = 1,
-                    pad_id: int = 0) -> Mapping[str, np.ndarray]:
+def pack_if_smaller(batch: Mapping[str, np.ndarray], slices: int | Sequence[int] = 1, rows_multiple: int = 1,
+                    pad_id: int = 0, row_groups: np.ndarray | None = None) -> Mapping[str, np.ndarray]:
     """pack(), or the padded batch itself where packing would not remove MIN_SAVING of the computed positions
     (equal lengths: the packed rows would be the padded ones, plus logits on prompt positions); loss_fn takes both."""
-    packed = pack(batch, slices, rows_multiple=rows_multiple, pad_id=pad_id)
+    packed = pack(batch, slices, rows_multiple=rows_multiple, pad_id=pad_id, row_groups=row_groups)
     if packed["tokens"].size > (1 - MIN_SAVING) * np.asarray(batch["tokens"]).size:
         return batch
     return packed
@@ -118,19 +209,38 @@ def is_packed(batch: Mapping[str, Any]) -> bool:
     return "segment_ids" in batch
 
 
-def slice_count(rows: int, group_size: int, data_parallel: int, grad_accum: int, mini_batches: int) -> int:
-    """The fewest slices that split evenly over devices x micro-batches x mini-batches (of whole prompt groups)."""
+def slice_options(rows: int, group_size: int, data_parallel: int, grad_accum: int, mini_batches: int) -> list[int]:
+    """Slice counts for pack: one slice per data-parallel device x micro-batch x mini-batch (mini-batches of whole
+    prompt groups), with optim.grad_accum micro-batches or fewer (a divisor: fewer, fuller micro-batches where the
+    configured ones would hold mostly padding; each is one jitted train step, see micro_batches)."""
     slices = data_parallel * grad_accum * mini_batches
-    if rows % slices or (mini_batches > 1 and (rows // slices) % group_size):
-        raise ValueError(f"train.packing: {rows} rows do not split into {slices} slices (data-parallel devices x "
-                         f"optim.grad_accum x optim.mini_batches) of whole groups of {group_size}; change those "
-                         "or set --config.train.packing=False")
-    return slices
+    if rows % slices or (rows // group_size) % mini_batches:
+        raise ValueError(f"train.packing: {rows} rows ({rows // group_size} groups of {group_size}) do not split "
+                         f"into {slices} slices (data-parallel devices x optim.grad_accum x optim.mini_batches) "
+                         "with whole groups per mini-batch; change those or set --config.train.packing=False")
+    return [data_parallel * a * mini_batches for a in range(1, grad_accum + 1) if grad_accum % a == 0]
+
+
+def micro_batches(batch: Mapping[str, Any], data_parallel: int, grad_accum: int) -> int:
+    """The micro-batch count a train step over `batch` (one mini-batch) splits it into: packed, its slices per
+    data-parallel device; padded, optim.grad_accum."""
+    return batch["tokens"].shape[0] // data_parallel if is_packed(batch) else grad_accum
 
 
 def row_view(a: jax.Array) -> jax.Array:
-    """A per-row array [S, n, ...] of the packed layout as [S * n, ...] (the padded batch's row order)."""
+    """A per-row array [S, n, ...] of the packed layout as [S * n, ...] (slot order, see to_rows)."""
     return a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+
+
+def to_rows(a: jax.Array, row_index: np.ndarray) -> jax.Array:
+    """A per-row array [S, n, ...] in the padded batch's row order [N, ...] (row_index: the batch's, on the host)."""
+    return jnp.take(row_view(a), np.argsort(np.asarray(row_index).reshape(-1)), axis=0)
+
+
+def from_rows(a: jax.Array, row_index: np.ndarray) -> jax.Array:
+    """A per-row array [N, ...] in the padded batch's row order as the packed slots [S, n, ...]."""
+    row_index = np.asarray(row_index)
+    return jnp.take(a, row_index.reshape(-1), axis=0).reshape(*row_index.shape, *a.shape[1:])
 
 
 def num_tokens(batch: Mapping[str, Any]) -> int:
@@ -191,5 +301,5 @@ def loss_fn(params, batch: Mapping[str, jax.Array], model_cfg: model_lib.ModelCo
     if not is_packed(batch):
         return objectives.loss_fn(params, batch, model_cfg, loss_cfg, step, key)
     logp, ent = completion_logprobs(model_cfg, params, batch, loss_cfg.temperature)
-    rows = {k: row_view(v) for k, v in batch.items() if k not in (*PACKED_KEYS, "gather") and v is not None}
+    rows = {k: row_view(v) for k, v in batch.items() if k not in LAYOUT_KEYS and v is not None}
     return objectives.loss_from_logprobs(logp, ent, rows, loss_cfg, step, key)

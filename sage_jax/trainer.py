@@ -25,6 +25,7 @@ from sage_jax import logging as slog
 from sage_jax import model as model_lib
 from sage_jax import train_state
 from sage_jax.rewards.pool import RewardPool
+from sage_jax.rollouts import collect_rollouts  # trainer.collect_rollouts: rl_step's CollectFn in run_rl
 
 log = pylogging.getLogger("sage_jax")
 
@@ -74,7 +75,7 @@ def rl_step(ctx: RLContext, state, step: int, collect: CollectFn) -> StepOutput:
     lc = ctx.loss_cfg
     adv = objectives.group_advantages(jnp.asarray(ro["rewards"]), ctx.group_size, scale=lc.adv_scale,
                                       eps=lc.adv_eps, ddof=lc.std_ddof, estimator=lc.adv_estimator)
-    batch = _loss_batch(ctx, ro, np.asarray(adv))
+    batch = _loss_batch(ctx, ro, np.asarray(adv), step)
     mine = sharding.local_rows(batch["tokens"].shape[0])  # this process feeds its share
     dev = {k: sharding.global_batch(v[mine], ctx.mesh) for k, v in batch.items()}
     packed = packing.is_packed(batch)
@@ -83,20 +84,20 @@ def rl_step(ctx: RLContext, state, step: int, collect: CollectFn) -> StepOutput:
     if ctx.num_iterations * ctx.mini_batches > 1 or lc.kl_in_reward or sequence_kl:
         dev["old_logp"], old_entropy = _no_grad_logprobs(ctx, ctx.cfg, ctx.policy(state["params"]), dev, ro, packed)
         # the KL terms computed once per step need whole groups as rows [N, C], before the batch is split
-        view = packing.row_view if packed else (lambda a: a)
+        keep = lambda a: a
+        view = functools.partial(packing.to_rows, row_index=batch["row_index"]) if packed else keep
+        back = functools.partial(packing.from_rows, row_index=batch["row_index"]) if packed else keep
         rows = {k: view(dev[k]) for k in ("completion_mask", "old_logp", "ref_logp")}
         if lc.kl_in_reward:
-            dev["advantages"] = _advantages_with_kl_penalty(ctx, ro, rows, view(old_entropy), step).reshape(
-                dev["advantages"].shape)
+            dev["advantages"] = back(_advantages_with_kl_penalty(ctx, ro, rows, view(old_entropy), step))
         if sequence_kl:
-            dev["seq_kl_coef"] = objectives.forward_kl_coefficients(
+            dev["seq_kl_coef"] = back(objectives.forward_kl_coefficients(
                 rows["old_logp"], rows["ref_logp"], _old_log_q(ctx, rows, view(old_entropy), step),
-                rows["completion_mask"], ctx.group_size).reshape(dev["advantages"].shape)
+                rows["completion_mask"], ctx.group_size))
     dev["rl_step"] = np.int32(step)
     t1 = time.perf_counter()
     for _ in range(ctx.num_iterations):
-        # packed rows are slices of whole groups
-        for mb in _mini_batches(dev, ctx.mini_batches, 1 if packed else ctx.group_size, step):
+        for mb in _mini_batches(dev, ctx.mini_batches, ctx.group_size, step, packed):
             state, metrics = ctx.train_step(state, mb, *(() if ctx.lora_cfg is None else (ctx.base,)))
     step_s = time.perf_counter() - t0
     host = {**stats, "rl/reward": float(ro["rewards"].mean()), "rl/accuracy": float(ro["correct"].mean()),
@@ -107,15 +108,33 @@ def rl_step(ctx: RLContext, state, step: int, collect: CollectFn) -> StepOutput:
     return StepOutput(state, metrics, host, ro)
 
 
-def _loss_batch(ctx: RLContext, ro, adv_N: np.ndarray) -> dict[str, np.ndarray]:
+def _loss_batch(ctx: RLContext, ro, adv_N: np.ndarray, rl_step: int) -> dict[str, np.ndarray]:
     """The step's loss batch on the host: padded rows, or packed slices that split over devices x micro-batches x
-    mini-batches."""
+    mini-batches (each mini-batch the padded layout's rows)."""
     if not ctx.packing:
         return rollouts.build_batch(ro, adv_N, ctx.cfg.pad_token_id, ctx.max_new_tokens)
-    data_parallel = ctx.mesh.shape["data"] * ctx.mesh.shape["fsdp"]
-    slices = packing.slice_count(len(ro["lengths"]), ctx.group_size, data_parallel, ctx.grad_accum,
-                                 ctx.mini_batches)
-    return rollouts.build_batch(ro, adv_N, ctx.cfg.pad_token_id, ctx.max_new_tokens, packed=True, slices=slices)
+    N = len(ro["lengths"])
+    slices = packing.slice_options(N, ctx.group_size, _data_parallel(ctx.mesh), ctx.grad_accum, ctx.mini_batches)
+    groups = rollouts.mini_batch_rows(N, ctx.mini_batches, ctx.group_size, rl_step) if ctx.mini_batches > 1 else None
+    return rollouts.build_batch(ro, adv_N, ctx.cfg.pad_token_id, ctx.max_new_tokens, packed=True, slices=slices,
+                                row_groups=groups)
+
+
+def _data_parallel(mesh) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def _train_steps(make_step: Callable[[int], Callable], grad_accum: int, data_parallel: int) -> Callable:
+    """train_step(state, batch, *base) with as many micro-batches as the batch has (packing.micro_batches: a packed
+    step may use fewer than optim.grad_accum); one jitted step per count, made when first needed."""
+    steps: dict[int, Callable] = {}
+
+    def train_step(state, batch, *base):
+        accum = packing.micro_batches(batch, data_parallel, grad_accum)
+        if accum not in steps:
+            steps[accum] = make_step(accum)
+        return steps[accum](state, batch, *base)
+    return train_step
 
 
 def _no_grad_logprobs(ctx: RLContext, cfg, params, dev, ro, packed: bool):
@@ -128,17 +147,17 @@ def _no_grad_logprobs(ctx: RLContext, cfg, params, dev, ro, packed: bool):
                                          temperature=ctx.loss_cfg.temperature, rows_per_pass=ctx.logprob_rows)
 
 
-def _mini_batches(dev, n_mb: int, group_size: int, rl_step: int):
-    """Split rows into n_mb mini-batches of whole groups (order shuffled per step)."""
+def _mini_batches(dev, n_mb: int, group_size: int, rl_step: int, packed: bool):
+    """The n_mb mini-batches of rollouts.mini_batch_rows; packed, those are the batch's n_mb runs of slices."""
     if n_mb == 1:
         yield dev
         return
-    N = dev["tokens"].shape[0]
-    if (N // group_size) % n_mb:
-        raise ValueError(f"optim.mini_batches={n_mb} must divide the {N // group_size} prompt groups per step")
-    groups = np.random.default_rng(rl_step).permutation(N // group_size).reshape(n_mb, -1)
-    for g in groups:
-        rows = (g[:, None] * group_size + np.arange(group_size)).reshape(-1)
+    S = dev["tokens"].shape[0]
+    if packed:
+        runs = [slice(i, i + S // n_mb) for i in range(0, S, S // n_mb)]
+    else:
+        runs = rollouts.mini_batch_rows(S, n_mb, group_size, rl_step)
+    for rows in runs:
         yield {k: (v if v.ndim == 0 else v[rows]) for k, v in dev.items()}
 
 
@@ -157,43 +176,6 @@ def _advantages_with_kl_penalty(ctx: RLContext, ro, dev, entropy, rl_step: int):
                                            dev["completion_mask"], lc.beta)
     return objectives.group_advantages(jnp.asarray(ro["rewards"]) + penalty, ctx.group_size, scale=lc.adv_scale,
                                        eps=lc.adv_eps, ddof=lc.std_ddof, estimator=lc.adv_estimator)
-
-
-def collect_rollouts(task: tasks.Task, cfg, config, pool: RewardPool, params, rl_step: int):
-    """Rollouts + rewards (+ DAPO dynamic sampling) for one RL step; host arrays. Bound to its first four
-    arguments (functools.partial) it is rl_step's CollectFn."""
-    ro_cfg, tr = config.rollout, config.train
-    G, B = ro_cfg.group_size, ro_cfg.prompts_per_step
-    parts, kept = [], 0
-    for attempt in range(1 + (tr.max_resample if tr.dynamic_sampling else 0)):
-        examples = task.train_batch(rl_step * (1 + tr.max_resample) + attempt if tr.dynamic_sampling else rl_step,
-                                    B, config.seed)
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.seed), rl_step), attempt)
-        ro = rollouts.rollout(task, cfg, params, examples, ro_cfg, key, config.data.max_prompt_len)
-        # each process scores its own share of the rows; everyone gets all rewards back
-        mine = sharding.local_rows(len(ro["texts"]))
-        ro["rewards"] = sharding.allgather_rows(pool.score(ro["texts"][mine], ro["golds"][mine]).astype(np.float32))
-        ro["correct"] = (ro["rewards"] >= 1.0).astype(np.float32)
-        ro["rewards"] = ro["rewards"] + rollouts.overlong_penalty(ro["lengths"], ro_cfg.max_new_tokens,
-                                                                  tr.overlong_buffer, tr.overlong_penalty)
-        parts.append(ro)
-        if not tr.dynamic_sampling:
-            break
-        # DAPO filters on accuracy: a group whose rollouts differ only in the overlong penalty is still dropped
-        kept += int((~np.asarray(objectives.zero_variance_groups(ro["correct"], G))).sum())
-        if kept >= B:
-            break
-    ro = rollouts.concat_rollouts(parts, cfg.pad_token_id)
-    zero_var = np.asarray(objectives.zero_variance_groups(ro["rewards"], G))
-    stats = {"rl/zero_var_groups": float(zero_var[:B].mean()) if not tr.dynamic_sampling else float(zero_var.mean())}
-    if tr.dynamic_sampling:
-        # informative groups first; degenerate ones only fill up what resampling could not
-        same_accuracy = np.asarray(objectives.zero_variance_groups(ro["correct"], G))
-        order = np.concatenate([np.flatnonzero(~same_accuracy), np.flatnonzero(same_accuracy)])[:B]
-        ro = rollouts.take_rows(ro, (order[:, None] * G + np.arange(G)).reshape(-1))
-        stats["rl/resample_rounds"] = float(len(parts) - 1)
-    stats.update(pool.take_counts())
-    return ro, stats
 
 
 # --------------------------------------------------------------------------------------------------- setup
@@ -226,9 +208,10 @@ def setup_rl(config, mesh, rules, tokenizer, params_override=None) -> tuple[RLCo
     loss_cfg = loss_config(config)
     tx, schedule = train_state.make_optimizer(optim, config.train.steps * optim.num_iterations * optim.mini_batches)
     state, shardings = train_state.create_state(params, tx, cfg, mesh, rules, trained_sh)
-    step_fn = train_state.make_train_step(cfg, loss_cfg, tx, schedule, config.seed, optim.grad_accum, shardings,
-                                          loss_fn=packing.loss_fn if config.train.packing else None,
-                                          lora_cfg=lora_cfg, base_shardings=base_sh)
+    make_step = lambda accum: train_state.make_train_step(
+        cfg, loss_cfg, tx, schedule, config.seed, accum, shardings, loss_fn=packing.loss_fn if config.train.packing
+        else None, lora_cfg=lora_cfg, base_shardings=base_sh)
+    step_fn = _train_steps(make_step, optim.grad_accum, _data_parallel(mesh))
     ctx = RLContext(cfg=cfg, ref_cfg=ref_cfg, ref_params=ref_params, loss_cfg=loss_cfg, train_step=step_fn,
                     mesh=mesh, group_size=config.rollout.group_size, max_new_tokens=config.rollout.max_new_tokens,
                     num_iterations=optim.num_iterations, mini_batches=optim.mini_batches,

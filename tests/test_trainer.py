@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import signal
@@ -279,3 +280,65 @@ def test_sft_checkpoints_every_k_steps_and_resumes(tmp_path, caplog):
     assert "SFT resumed at step 4" in caplog.text
     for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def _forced_rollouts(N=16, P=8, C=16, seed=0):
+    """Scored rollouts (trainer.rl_step's CollectFn layout) with short, unequal lengths, so packing pays."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = np.repeat(rng.integers(2, 5, N // 4), 4)
+    prompt_mask = np.arange(P)[None] >= (P - prompt_lens)[:, None]
+    lengths = rng.integers(1, 9, N).astype(np.int32)
+    comp_mask = np.arange(C)[None] < lengths[:, None]
+    rewards = rng.integers(0, 2, N).astype(np.float32)
+    return {"prompt_tokens": np.where(prompt_mask, rng.integers(3, 23, (N, P)), 0).astype(np.int32),
+            "prompt_mask": prompt_mask, "tokens": np.where(comp_mask, rng.integers(3, 23, (N, C)), 0).astype(np.int32),
+            "lengths": lengths, "finished": np.ones(N, bool), "correct": rewards, "rewards": rewards,
+            "sampler_logp": np.where(comp_mask, -3.0, 0.0).astype(np.float32),
+            "texts": [""] * N, "golds": [""] * N, "prompts": [""] * N}
+
+
+@pytest.mark.parametrize("overrides", [
+    {"optim.mini_batches": 2, "optim.grad_accum": 2, "loss.kl_in_reward": True},
+    {"optim.grad_accum": 2, "loss.kl_estimator": "forward-seq", "loss.aggregation": "token-mean"},
+])
+def test_packed_rl_step_equals_padded(overrides):
+    """One RL step over 2 data-parallel devices, micro-batches, mini-batches and the KL terms computed per group
+    outside the loss: the packed layout (rows balanced over slices, not in their order) updates the params as the
+    padded one does. SGD, so the update is the gradient itself."""
+    import optax
+    from types import SimpleNamespace
+    from sage_jax import packing, sharding
+    tokenizer = SimpleNamespace(vocab_size=23, eos_ids=[1], pad_id=0, bos_id=2)
+    mesh = sharding.make_mesh((1, 2, 1), jax.devices()[:2])
+    ro = _forced_rollouts()
+    out = {}
+    for packed in (False, True):
+        config = _tiny(**overrides, **{"train.packing": packed, "optim.grad_clip": 0.0})
+        rules = dict(config.mesh.rules)
+        with jax.set_mesh(mesh), sharding.use_rules(rules):
+            ctx, state = trainer.setup_rl(config, mesh, rules, tokenizer)
+            tx = optax.sgd(0.1)
+            make = lambda accum: train_state.make_train_step(ctx.cfg, ctx.loss_cfg, tx, lambda s: 0.1, config.seed,
+                                                             accum, loss_fn=packing.loss_fn if packed else None)
+            ctx = dataclasses.replace(ctx, train_step=trainer._train_steps(make, config.optim.grad_accum, 2))
+            state = train_state.init_state(jax.tree.map(jnp.copy, state["params"]), tx)
+            res = trainer.rl_step(ctx, state, 0, lambda params, step: (ro, {}))
+            out[packed] = jax.device_get((res.state["params"], res.metrics, res.host))
+    (p_pad, m_pad, h_pad), (p_pack, m_pack, h_pack) = out[False], out[True]
+    assert h_pack["perf/padded_frac"] < h_pad["perf/padded_frac"] - 0.2  # it did pack
+    np.testing.assert_allclose(m_pack["loss/total"], m_pad["loss/total"], rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(p_pack), jax.tree.leaves(p_pad)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_train_steps_follow_the_packed_micro_batch_count():
+    made = []
+
+    def make(accum):
+        made.append(accum)
+        return lambda state, batch: (state, accum)
+    step = trainer._train_steps(make, grad_accum=8, data_parallel=2)
+    packed = lambda S: {"tokens": np.zeros((S, 1, 4)), "segment_ids": np.zeros((S, 1, 4))}
+    assert [step(None, packed(S))[1] for S in (4, 16, 4)] == [2, 8, 2]
+    assert step(None, {"tokens": np.zeros((6, 4))})[1] == 8  # padded: the configured count
+    assert made == [2, 8]  # one step per count, made once
