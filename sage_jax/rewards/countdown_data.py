@@ -47,7 +47,7 @@ def generate_problems(
     most `max_enumerate` number multisets, every eligible (numbers, target) pair is listed and `n` are drawn without
     replacement; those pools are small (3 numbers, targets 1..99: 465 problems for 1..9, 1259 for 1..15, 2146 for
     1..20). Otherwise the numbers are drawn uniformly from [low, high] and the target uniformly among the eligible
-    ones (~50 ms per 4-number problem).
+    ones; every draw enumerates all expressions of its numbers, which is what makes 4-number problems costly.
     """
     if n < 0 or num_numbers < 2 or low > high or low < 0:
         raise ValueError(f"bad countdown settings n={n} num_numbers={num_numbers} range=[{low},{high}]")
