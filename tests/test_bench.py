@@ -154,22 +154,10 @@ def test_bench_sampler_longtail_smoke(tmp_path):
     assert rows[0]["vs_transformers"] == pytest.approx(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"])
 
 
-def test_rl_step_longtail_packed_and_padded(tmp_path):
-    """Smoke run of `rl_step --workload longtail --layout both`: both layouts, less padding when packed, JSON out."""
-    path = tmp_path / "rl.json"
-    rows = cli.main(["rl_step", "--batch", "8", "--group", "4", "--prompt-len", "8", "--new-tokens", "40",
-                             "--repeats", "1", "--no-trl", "--workload", "longtail", "--layout", "both",
-                             "--json", str(path)])["rl_step"]
-    by = {r["impl"]: r for r in rows}
-    assert set(by) == {"sage_jax", "sage_jax_padded"} and _finite_positive(rows, "tokens_per_s")
-    assert by["sage_jax"]["padded_frac"] < by["sage_jax_padded"]["padded_frac"]
-    assert by["sage_jax"]["len_max"] == 40 and by["sage_jax"]["vs_padded"] > 0
-    assert json.loads(path.read_text())["modes"]["rl_step"][0]["workload"] == "longtail"
-
-
-def test_rl_step_mode_runs_trainer_rl_step_with_forced_lengths(monkeypatch):
-    """The RL-step benchmark times the library's step: trainer.rl_step once per step (the warm-up included), on
-    rollouts whose lengths are the workload's, each finished row ending with EOS."""
+def test_rl_step_longtail_packed_and_padded(tmp_path, monkeypatch):
+    """Smoke run of `rl_step --workload longtail --layout both`: both layouts, less padding when packed, JSON out.
+    Each layout's steps are trainer.rl_step calls (the warm-up step included) on rollouts with the workload's
+    lengths, every row that stops early ending with EOS."""
     calls = []
 
     def spy(ctx, state, step, collect):
@@ -178,16 +166,23 @@ def test_rl_step_mode_runs_trainer_rl_step_with_forced_lengths(monkeypatch):
         return out
     real = trainer.rl_step
     monkeypatch.setattr(trainer, "rl_step", spy)
-    rows = rl_step.bench_rl_step("tiny", prompts=2, group=2, prompt_len=8, new_tokens=40, repeats=1, trl=False,
-                                 workload="longtail")
-    assert [step for step, _ in calls] == [0, 1] and rows[0]["impl"] == "sage_jax"
-    lengths = workloads.workload_lengths("longtail", 4, 40, 0)
+    path = tmp_path / "rl.json"
+    rows = cli.main(["rl_step", "--batch", "8", "--group", "4", "--prompt-len", "8", "--new-tokens", "40",
+                     "--repeats", "1", "--no-trl", "--workload", "longtail", "--layout", "both",
+                     "--json", str(path)])["rl_step"]
+    by = {r["impl"]: r for r in rows}
+    assert set(by) == {"sage_jax", "sage_jax_padded"} and _finite_positive(rows, "tokens_per_s")
+    assert by["sage_jax"]["padded_frac"] < by["sage_jax_padded"]["padded_frac"]
+    assert by["sage_jax"]["len_max"] == 40 and by["sage_jax"]["vs_padded"] > 0
+    assert json.loads(path.read_text())["modes"]["rl_step"][0]["workload"] == "longtail"
+    assert [step for step, _ in calls] == [0, 0, 1, 1]  # packed, padded, after each (absent) TRL step
+    lengths = workloads.workload_lengths("longtail", 8, 40, 0)
+    finished = np.flatnonzero(lengths < 40)
     for _, ro in calls:
         np.testing.assert_array_equal(ro["lengths"], lengths)
-        finished = np.flatnonzero(lengths < 40)
         assert (ro["tokens"][finished, lengths[finished] - 1] == rl_step.EOS_ID).all()
-        assert ro["rewards"].shape == (4,) and np.isfinite(ro["rewards"]).all()
-    assert rows[0]["len_max"] == 40 and rows[0]["len_p50"] == np.percentile(lengths, 50)
+        assert ro["rewards"].shape == (8,) and np.isfinite(ro["rewards"]).all()
+    assert by["sage_jax"]["len_p50"] == np.percentile(lengths, 50)
 
 
 def test_forced_rollout_cuts_rows_and_marks_truncation():
