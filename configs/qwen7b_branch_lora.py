@@ -6,7 +6,7 @@ attention and MLP (q, k, v, o, gate, up, down), PEFT's initialisation (B = 0), t
 
 Only the 20.2M adapter parameters and their Adam moments are trained and checkpointed; the frozen base is held once,
 in bf16 (what the matmuls run in anyway), and is also the reference policy: no fp32 master weights, no Adam moments
-of the 7.6B weights, no second copy for the reference (`python bench/lora.py memory`, docs/PERFORMANCE.md). Outputs: WORKDIR/hf_export (the merged model) and
+of the 7.6B weights, no second copy for the reference (`python -m sage_jax.bench lora memory`, docs/PERFORMANCE.md). Outputs: WORKDIR/hf_export (the merged model) and
 WORKDIR/peft_adapter (loads with peft.PeftModel.from_pretrained; --config.model.lora.init_from=DIR continues from it).
 """
 

@@ -1,4 +1,5 @@
-"""RL objective: group advantages, KL estimators against the SAGE anchor m = q * pi_ref, clipped surrogate, loss_fn.
+"""RL objective: KL estimators against the SAGE anchor m = q * pi_ref, clipped surrogate, loss_fn (the group
+advantages it trains on are in advantages.py, importable from here as well).
 
 Per token t of a sampled completion: loss_t = pg_t + beta * kl_t(logp_t; log m_t), log m_t = ref_logp_t + log q_t,
 then aggregated over tokens and sequences. Which kl_t has which stationary policy and which expected gradient over
@@ -30,64 +31,15 @@ import jax.numpy as jnp
 
 from sage_jax import guides
 from sage_jax import model as model_lib
+from sage_jax.advantages import (ADV_ESTIMATORS, ADV_SCALES, check_groups, group_advantages,  # noqa: F401
+                                 zero_variance_groups)
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "k3+", "forward", "none")  # per token (kl_term)
 SEQUENCE_ESTIMATORS = ("forward-seq",)  # over whole completions, per group (forward_kl_coefficients)
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
-ADV_SCALES = ("group", "batch", "none")
-ADV_ESTIMATORS = ("grpo", "rloo")
 LOG_RATIO_CLIP = 20.0  # exp(20) ~ 5e8: above it exp(d) goes on linearly (finite for tokens pi nearly excludes)
 
 sg = jax.lax.stop_gradient
-
-
-# --------------------------------------------------------------------------------------------------- advantages
-
-def _check_groups(n: int, group_size: int) -> None:
-    if group_size < 1 or n % group_size:
-        raise ValueError(f"{n} rewards do not split into groups of {group_size}: rewards must be [num_prompts * G], "
-                         "each group's G rollouts consecutive.")
-
-
-def zero_variance_groups(rewards_N: jax.Array, group_size: int) -> jax.Array:
-    """bool[B]: groups whose rewards are all equal (no learning signal; DAPO's dynamic sampling drops them)."""
-    rewards_N = jnp.asarray(rewards_N, jnp.float32)
-    _check_groups(rewards_N.shape[0], group_size)
-    r_BxG = rewards_N.reshape(-1, group_size)
-    return r_BxG.max(-1) == r_BxG.min(-1)
-
-
-def group_advantages(rewards_N: jax.Array, group_size: int, *, scale: str = "group", eps: float = 1e-6,
-                     ddof: int = 0, estimator: str = "grpo") -> jax.Array:
-    """(r - baseline) / (std + eps) per consecutive group of `group_size`; exactly 0 for zero-variance groups.
-
-    estimator "grpo": baseline = group mean; "rloo": baseline = mean of the other G-1 rollouts.
-    scale "group": per-group std; "batch": std over all rewards; "none": no division (Dr.GRPO).
-    """
-    if scale not in ADV_SCALES:
-        raise ValueError(f"adv_scale={scale!r} is unknown; choose one of {ADV_SCALES}.")
-    if estimator not in ADV_ESTIMATORS:
-        raise ValueError(f"adv_estimator={estimator!r} is unknown; choose one of {ADV_ESTIMATORS}.")
-    if estimator == "rloo" and group_size < 2:
-        raise ValueError("adv_estimator='rloo' needs at least 2 rollouts per prompt (group_size >= 2).")
-    rewards_N = jnp.asarray(rewards_N, jnp.float32)
-    n = rewards_N.shape[0]
-    _check_groups(n, group_size)
-    r_BxG = rewards_N.reshape(-1, group_size)
-    centered_BxG = r_BxG - r_BxG.mean(-1, keepdims=True)
-    if estimator == "rloo":  # r_i - mean_{j != i} r_j = G/(G-1) * (r_i - mean)
-        centered_BxG = centered_BxG * (group_size / (group_size - 1))
-    if scale == "group":
-        var_Bx1 = (jnp.square(r_BxG - r_BxG.mean(-1, keepdims=True)).sum(-1, keepdims=True)
-                   / max(group_size - ddof, 1))
-        adv_BxG = centered_BxG / (jnp.sqrt(var_Bx1) + eps)
-    elif scale == "batch":
-        var = jnp.square(rewards_N - rewards_N.mean()).sum() / max(n - ddof, 1)
-        adv_BxG = centered_BxG / (jnp.sqrt(var) + eps)
-    else:
-        adv_BxG = centered_BxG
-    adv_BxG = jnp.where(zero_variance_groups(rewards_N, group_size)[:, None], 0.0, adv_BxG)
-    return adv_BxG.reshape(n)
 
 
 # --------------------------------------------------------------------------------------------------- KL terms
@@ -150,7 +102,7 @@ def forward_kl_coefficients(old_logp_NxC: jax.Array, ref_logp_NxC: jax.Array, lo
     gradient of the forward KL(m~ || pi) over completions, m~ = m normalised (self-normalised importance sampling,
     biased by O(1/G); the -1 is a zero-mean control variate). No gradient.
     """
-    _check_groups(old_logp_NxC.shape[0], group_size)
+    check_groups(old_logp_NxC.shape[0], group_size)
     log_m_NxC = ref_logp_NxC if log_q_NxC is None else ref_logp_NxC + log_q_NxC
     log_w_N = jnp.where(mask_NxC > 0, log_m_NxC - old_logp_NxC, 0.0).sum(-1).astype(jnp.float32)
     w_hat_BxG = jax.nn.softmax(log_w_N.reshape(-1, group_size), axis=-1)
@@ -367,7 +319,7 @@ def loss_from_logprobs(logp_NxC: jax.Array, entropy_NxC: jax.Array, batch: Mappi
     if loss_cfg.kl_in_loss and loss_cfg.kl_estimator in SEQUENCE_ESTIMATORS:
         if batch.get("seq_kl_coef") is None:
             raise ValueError(f"loss.kl_estimator={loss_cfg.kl_estimator!r} needs batch['seq_kl_coef'] "
-                             "(objectives.forward_kl_coefficients over each group; trainer.run_rl adds it).")
+                             "(objectives.forward_kl_coefficients over each group; trainer.rl_step adds it).")
         kl_NxC = loss_cfg.beta * sequence_forward_kl(logp_NxC, batch["seq_kl_coef"], mask_NxC)
     elif loss_cfg.kl_in_loss:
         kl_NxC = loss_cfg.beta * kl_term(logp_NxC, ref_logp_NxC, log_q_NxC, loss_cfg.kl_estimator, mask_NxC)

@@ -303,7 +303,7 @@ def test_blocked_decode_attention_matches_softmax_and_skips_unwritten_blocks():
 
 def test_bench_sampler_smoke():
     pytest.importorskip("torch")
-    from sage_jax import bench
+    from sage_jax.bench import sampler as bench
     rows = bench.bench_sampler(presets=("tiny",), dtype="fp32", batch=4, prompt_len=8, new_tokens=8, repeats=1,
                                latency=False)
     assert [r["impl"] for r in rows] == ["sage_jax", "transformers", bench.MATMULS_ONLY]
@@ -314,7 +314,7 @@ def test_bench_sampler_smoke():
 
 def test_decode_matmuls_flops_match_xla_count(params):
     """The matmuls-only ceiling counts exactly the matmuls XLA runs (one decode step: XLA counts a loop body once)."""
-    from sage_jax import bench
+    from sage_jax.bench import sampler as bench
     fn, flops = bench.decode_matmuls_fn(CFG, params, rows=3, steps=1)
     cost = jax.jit(fn).lower().cost_analysis()  # before optimisation: compiling would fold the constant weights
     xla = (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]

@@ -1,15 +1,14 @@
-"""Benchmarks, one function per mode.
+"""The sampler against transformers' `generate`.
 
   python -m sage_jax.bench sampler --preset both --dtype fp32 --batch 64
   python -m sage_jax.bench sampler --workload longtail --preset small --json docs/results/sampler_longtail.json
-  python -m sage_jax.bench all
 
-`sampler`: this sampler's tokens/s against transformers' `generate` (torch, CPU) on the same random weights, batch,
+This sampler's tokens/s against transformers' `generate` (torch, CPU) on the same random weights, batch,
 prompt length and forced completion lengths (greedy): `--workload fixed` runs every row to --new-tokens (EOS
 ignored); `--workload longtail` (8 prompts x 8 samples, 512 new tokens by default) forces the same pre-drawn
 long-tailed lengths on both sides (sage_jax.workloads), transformers by a forced EOS, which stops a row as a real
 one would. Only tokens before EOS count; the table gives each side's realised length quantiles. Warm-up runs are
-excluded; each number is the median of `--repeats` runs, ours and theirs interleaved (bench_train.interleaved_seconds)
+excluded; each number is the median of `--repeats` runs, ours and theirs interleaved (common.interleaved_seconds)
 so load from other processes hits both alike. With the fixed workload a third program in the same loop,
 `matmuls_only` (decode_matmuls_fn), does only the model's matmuls for as many decode steps: its FLOP/s is the peak
 the table's `frac_of_peak` refers to, and its tokens/s the ceiling for a sampler built on XLA's matmuls here.
@@ -17,30 +16,21 @@ the table's `frac_of_peak` refers to, and its tokens/s the ceiling for a sampler
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from sage_jax import bench_train, workloads
-from sage_jax.bench_train import DTYPES, interleaved_seconds
+from sage_jax import model, workloads
+from sage_jax import sampler as sampler_lib
+from sage_jax.bench import common, flops
+from sage_jax.bench.common import DTYPES, print_table
 
-MODES: dict[str, Callable[[argparse.Namespace], list[dict]]] = {}
 MATMULS_ONLY = "matmuls_only"  # the sampler table's ceiling row: see decode_matmuls_fn
-
-
-def register(name: str):
-    def wrap(fn):
-        MODES[name] = fn
-        return fn
-    return wrap
-
-
-# --------------------------------------------------------------------------------------------------- sampler
 
 HF_EOS = 1  # the EOS id transformers is forced to emit in the longtail workload (prompts may contain it: harmless)
 
@@ -87,13 +77,12 @@ def _sage_generate_fn(cfg, params, prompts_BxT: np.ndarray, new_tokens: int, gro
                       lengths_N: np.ndarray | None = None, compact: bool = True) -> tuple[Callable[[], None], dict]:
     """(run, realised): greedy sampler.generate of group samples per prompt, each row stopped after lengths_N[n]
     tokens when given (EOS ignored); realised["lengths"] as for _hf_generate_fn."""
-    from sage_jax import sampler
     prompts = prompts_BxT.tolist()
     limits = None if lengths_N is None else [int(n) for n in lengths_N]
     realised: dict = {}
 
     def run():
-        out = sampler.generate(cfg, params, prompts, max_new_tokens=new_tokens, temperature=0.0, eos_ids=(),
+        out = sampler_lib.generate(cfg, params, prompts, max_new_tokens=new_tokens, temperature=0.0, eos_ids=(),
                                num_samples=group, row_max_new_tokens=limits, compact=compact)
         realised["lengths"] = np.asarray(jax.block_until_ready(out.lengths))
     return run, realised
@@ -103,9 +92,6 @@ def decode_matmuls_fn(cfg, params, rows: int, steps: int) -> tuple[Callable[[], 
     """(fn, flops): `steps` decode steps of `rows` rows that do nothing but the model's matmuls (q, k, v, o, gate, up,
     down per layer and the unembedding, same weights and shapes) chained through one [rows, D] state: the time a
     decode step cannot go below with XLA's matmuls on this machine (no attention, sampling or cache)."""
-    import jax.numpy as jnp
-
-    from sage_jax import model
     dt = jnp.dtype(cfg.compute_dtype)
     D, reps = cfg.hidden_size, cfg.num_heads // cfg.num_kv_heads
     names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -143,15 +129,13 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
     fixed workload forces new_tokens on every row (EOS ignored) and adds the matmuls-only floor; longtail forces
     workloads.longtail_lengths on both sides. tokens = the tokens each side generated before EOS (last run).
     static: also time this sampler as one static batch (compact=False)."""
-    from sage_jax import model, sampler
-
     if batch % group:
         raise ValueError(f"--batch {batch} rows must be a multiple of --group {group} (rows = prompts x group)")
     rows = []
     load_before = os.getloadavg()[0]
     for name in presets:
         cfg = model.preset(name, param_dtype=DTYPES[dtype], compute_dtype=DTYPES[dtype], eos_token_ids=())
-        params = jax.jit(model.init_params, static_argnums=0)(cfg, jax.random.key(seed))
+        params = common.init_params(cfg, seed)
         rng = np.random.default_rng(seed)
         with tempfile.TemporaryDirectory() as tmp:
             model.save_hf(tmp, cfg, params)
@@ -169,9 +153,9 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
                 fns = {k: fn for k, (fn, _) in sides.items()}
                 if workload == "fixed":
                     fns[MATMULS_ONLY], floor_flops = decode_matmuls_fn(cfg, params, b, new_tokens)
-                compiled_before = sampler.compile_count()
-                seconds = {k: statistics.median(t) for k, t in interleaved_seconds(fns, repeats).items()}
-                compiled = sampler.compile_count() - compiled_before
+                compiled_before = sampler_lib.compile_count()
+                seconds = {k: statistics.median(t) for k, t in common.interleaved_seconds(fns, repeats).items()}
+                compiled = sampler_lib.compile_count() - compiled_before
                 group_rows = []
                 for impl, s in seconds.items():
                     made = sides[impl][1]["lengths"] if impl in sides else lengths
@@ -180,7 +164,7 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
                                **workloads.length_quantiles(made, new_tokens))
                     if workload == "fixed":
                         peak = floor_flops / seconds[MATMULS_ONLY]
-                        f = floor_flops if impl == MATMULS_ONLY else bench_train.decode_flops(
+                        f = floor_flops if impl == MATMULS_ONLY else flops.decode_flops(
                             cfg, b // g, g, prompt_len, new_tokens)
                         row |= dict(ms_per_step=1e3 * s / new_tokens, model_gflops=f / 1e9, gflops_per_s=f / s / 1e9,
                                     frac_of_peak=f / s / peak)
@@ -190,14 +174,14 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
                 ours["vs_transformers"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
                 rows += group_rows
     _print_sampler_table(rows)
-    print(f"sampler programs compiled in this run: {sampler.compile_count()}; 1-min load average "
+    print(f"sampler programs compiled in this run: {sampler_lib.compile_count()}; 1-min load average "
           f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)")
     return rows
 
 
 def _print_sampler_table(rows: list[dict]) -> None:
     print()
-    bench_train.print_table(rows, [
+    print_table(rows, [
         ("preset", ""), ("dtype", ""), ("workload", ""), ("batch", "d"), ("group", "d"), ("impl", ""),
         ("tokens", "d"), ("len_p10", ".0f"), ("len_p50", ".0f"), ("len_p90", ".0f"), ("len_max", "d"),
         ("frac_at_max", ".3f"), ("tokens_per_s", ".1f"), ("ms_per_step", ".2f"), ("seconds", ".3f"),
@@ -214,53 +198,10 @@ def _print_sampler_table(rows: list[dict]) -> None:
               + ceiling)
 
 
-@register("sampler")
-def _sampler_mode(args: argparse.Namespace) -> list[dict]:
+def sampler_mode(args) -> list[dict]:
     presets = ("tiny", "small") if args.preset == "both" else (args.preset,)
     longtail = args.workload == "longtail"
     new_tokens = args.new_tokens or (512 if longtail else 128)
     group = args.group or (8 if longtail else 1)
     return bench_sampler(presets, args.dtype, args.batch, args.prompt_len, new_tokens, args.repeats,
                          hf_threads=args.hf_threads, workload=args.workload, group=group, static=args.static)
-
-
-# --------------------------------------------------------------------------------------------------- entry point
-
-def main(argv: list[str] | None = None) -> None:
-    import sys
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in bench_train.MODES:  # train_step, rl_step, memory, scaling, matmul, flags
-        bench_train.main(argv)
-        return
-    parser = argparse.ArgumentParser(prog="python -m sage_jax.bench", description=__doc__.split("\n")[0])
-    parser.add_argument("mode", choices=[*MODES, *bench_train.MODES, "all"])
-    parser.add_argument("--preset", default="both", choices=["tiny", "small", "both"])
-    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=None, help="max new tokens (default 128; longtail 512)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--hf-threads", type=int, default=None, help="torch threads (default: all cores)")
-    parser.add_argument("--workload", default="fixed", choices=list(workloads.WORKLOADS),
-                        help="sampler: completion lengths forced on both sides (see sage_jax.workloads)")
-    parser.add_argument("--group", type=int, default=None, help="sampler: samples per prompt (default 1; longtail 8)")
-    parser.add_argument("--static", action="store_true", help="sampler: also time one static batch (compact=False)")
-    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
-                        help="write every mode's rows as JSON to PATH (no PATH: one line on stdout)")
-    args = parser.parse_args(argv)
-    results = {}
-    for mode in (MODES if args.mode == "all" else [args.mode]):
-        print(f"== {mode}")
-        results[mode] = MODES[mode](args)
-    if args.mode == "all":  # the training-side modes with the same shapes
-        shared = ["--preset", args.preset, "--dtype", args.dtype, "--batch", str(args.batch), "--prompt-len",
-                  str(args.prompt_len), "--new-tokens", str(args.new_tokens or 128), "--repeats", str(args.repeats)]
-        for mode in ("matmul", "train_step", "rl_step", "memory", "scaling"):
-            print(f"== {mode}")
-            results[mode] = bench_train.main([mode, *shared])
-    if args.json:
-        bench_train.write_json(args.json, results)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,219 @@
+"""One RL step, `trainer.rl_step` as `run_rl` runs it, against TRL's GRPOTrainer on the same weights.
+
+  python -m sage_jax.bench rl_step --preset small
+  python -m sage_jax.bench rl_step --preset small --new-tokens 512 --workload longtail --layout both
+
+Both sides generate the same completion lengths (workload "fixed": every row runs to --new-tokens; "longtail":
+workloads.longtail_lengths), forced so that the step's work does not depend on what the random weights sample: our
+CollectFn samples the full length and cuts each row (EOS at its end unless it runs to the limit), TRL's generate is
+forced by a logits processor. Only tokens before EOS count as generated. The steps are interleaved (ours after each
+TRL step, then the matmul peak under the same load) and the first step of each side is left out as warm-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import tempfile
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sage_jax import config as config_lib
+from sage_jax import model, sampler, sharding, trainer, workloads
+from sage_jax.bench import common, flops, trl_peer
+from sage_jax.bench.common import print_table
+
+EOS_ID = 1  # trl_peer.word_level_tokenizer's "<eos>": the token both sides end a forced-length completion with
+
+
+def ids_reward(ids) -> float:
+    """Trivial in-process reward: the share of even token ids (varies across a group, so advantages are non-zero)."""
+    ids = np.asarray(ids)
+    return float((ids % 2 == 0).mean()) if ids.size else 0.0
+
+
+def forced_rollout(out, lengths_N: np.ndarray, eos_id: int) -> dict[str, np.ndarray]:
+    """Rollouts in rollouts.rollout's layout from a sample of max_new_tokens, cut to the forced lengths: row n ends
+    with EOS at lengths[n] - 1 unless it runs to the limit (truncated)."""
+    N, C = out.tokens.shape
+    finished = lengths_N < C
+    tokens = np.where(np.arange(C)[None] < lengths_N[:, None], out.tokens, 0)
+    tokens[np.flatnonzero(finished), lengths_N[finished] - 1] = eos_id
+    return dict(prompt_tokens=np.asarray(out.prompt_tokens), prompt_mask=np.asarray(out.prompt_mask), tokens=tokens,
+                lengths=lengths_N, finished=finished, sampler_logp=np.where(tokens > 0, out.logprobs, 0.0))
+
+
+def forced_length_collect(cfg: model.ModelConfig, prompts_BxP: np.ndarray, group: int, lengths_N: np.ndarray,
+                          seed: int, marks: list[float]) -> trainer.CollectFn:
+    """rl_step's CollectFn for the benchmark: `group` samples per prompt from the policy (temperature 1, EOS
+    ignored), cut to lengths_N and scored by ids_reward. Appends the time after sampling and after scoring to
+    `marks`."""
+    prompts = prompts_BxP.tolist()
+    new_tokens = int(lengths_N.max())
+
+    def collect(params, step: int):
+        out = jax.device_get(sampler.generate(cfg, params, prompts, new_tokens, temperature=1.0, eos_ids=(),
+                                              seed=seed + step, num_samples=group))
+        ro = forced_rollout(out, lengths_N, EOS_ID)
+        marks.append(time.perf_counter())
+        ro["rewards"] = np.array([ids_reward(row[:n]) for row, n in zip(ro["tokens"], ro["lengths"])], np.float32)
+        ro["correct"] = (ro["rewards"] >= 1.0).astype(np.float32)
+        marks.append(time.perf_counter())
+        return ro, {}
+    return collect
+
+
+def rl_config(preset: str, dtype: str, prompts: int, group: int, new_tokens: int, beta: float, seed: int,
+              packed: bool):
+    """configs/base.py with the benchmark's model and rollout shape and the SAGE arm (Branch guide, `beta`)."""
+    config = config_lib.load(str(common.REPO / "configs" / "base.py"))
+    cfg = common.preset_config(preset, dtype)
+    config.seed = seed
+    config.model.update(preset=preset, param_dtype=cfg.param_dtype, compute_dtype=cfg.compute_dtype,
+                        ref_dtype=cfg.compute_dtype, remat=cfg.remat, scan_layers=cfg.scan_layers,
+                        logits_chunk=cfg.logits_chunk, attention=cfg.attention)
+    config.rollout.update(prompts_per_step=prompts, group_size=group, max_new_tokens=new_tokens, temperature=1.0)
+    config.loss.update(beta=beta, guide="branch")
+    config.train.update(packing=packed, logprob_rows=0)  # the reference pass over all rows at once
+    return config
+
+
+def sage_rl_runner(preset: str, dtype: str, params, prompts_BxP: np.ndarray, group: int, lengths_N: np.ndarray,
+                   beta: float, seed: int = 0, packed: bool = True) -> Callable[[], dict[str, float]]:
+    """run() does one trainer.rl_step (set up by trainer.setup_rl on one device, as the peer runs) and returns its
+    seconds per phase. packed: the reference pass and the update on packed rows (packing.py), else padded rows."""
+    config = rl_config(preset, dtype, prompts_BxP.shape[0], group, int(lengths_N.max()), beta, seed, packed)
+    mesh, rules = sharding.make_mesh((1, 1, 1), jax.devices()[:1]), dict(config.mesh.rules)
+    with jax.set_mesh(mesh), sharding.use_rules(rules):
+        # a copy: the state is donated to the first update, and the caller's params serve the other runners too
+        ctx, state = trainer.setup_rl(config, mesh, rules, None, params_override=jax.tree.map(jnp.copy, params))
+    marks: list[float] = []
+    collect = forced_length_collect(ctx.cfg, prompts_BxP, group, lengths_N, seed, marks)
+    update = ctx.train_step
+
+    def timed_update(state, batch, *base):
+        # the one sync point the library does not have: it separates the reference pass from the update
+        jax.block_until_ready(batch["ref_logp"])
+        marks.append(time.perf_counter())
+        return update(state, batch, *base)
+    ctx = dataclasses.replace(ctx, train_step=timed_update)
+    box = {"state": state, "step": 0}
+
+    def run() -> dict[str, float]:
+        marks.clear()
+        start = time.perf_counter()
+        with jax.set_mesh(mesh), sharding.use_rules(rules):
+            out = trainer.rl_step(ctx, box["state"], box["step"], collect)
+            jax.block_until_ready(out.metrics)
+        end = time.perf_counter()
+        box["state"], box["step"] = out.state, box["step"] + 1
+        sampled, scored, referenced = marks
+        return dict(seconds=end - start, generate_s=sampled - start, reward_s=scored - sampled,
+                    ref_s=referenced - scored, update_s=end - referenced, padded_frac=out.host["perf/padded_frac"])
+    return run
+
+
+def _interleaved_steps(preset: str, dtype: str, params, prompts_BxP: np.ndarray, group: int, lengths_N: np.ndarray,
+                       beta: float, repeats: int, trl: bool, seed: int, layouts: tuple[str, ...]):
+    """(per-step phase seconds of each impl, the matmul peak's (seconds after each step, FLOPs), TRL's realised
+    lengths per step)."""
+    ours = {"sage_jax" if layout == "packed" else "sage_jax_padded": sage_rl_runner(
+        preset, dtype, params, prompts_BxP, group, lengths_N, beta, seed, packed=layout == "packed")
+        for layout in layouts}
+    peak_fn, peak_flops = common.matmul_peak_fn(dtype)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in ours}
+    peak_s: list[float] = []
+    trl_lengths: list = []
+
+    def after_trl_step() -> None:  # our steps, then the matmul peak under the same load
+        for name, run in ours.items():
+            runs[name].append(run())
+        start = time.perf_counter()
+        jax.block_until_ready(peak_fn())
+        peak_s.append(time.perf_counter() - start)
+
+    if trl:
+        with tempfile.TemporaryDirectory() as model_dir:
+            hf_cfg = common.preset_config(preset, "fp32")  # TRL runs in fp32
+            model.save_hf(model_dir, hf_cfg, params)
+            runs["trl"] = trl_peer.trl_interleaved(model_dir, hf_cfg.vocab_size, prompts_BxP, group, lengths_N, beta,
+                                                   repeats + 1, after_trl_step, ids_reward, EOS_ID, seed, trl_lengths)
+    else:
+        for _ in range(repeats + 1):
+            after_trl_step()
+    return runs, (peak_s, peak_flops), trl_lengths
+
+
+def bench_rl_step(preset: str = "tiny", dtype: str = "fp32", prompts: int = 8, group: int = 8, prompt_len: int = 32,
+                  new_tokens: int = 128, beta: float = 0.05, repeats: int = 3, trl: bool = True, seed: int = 0,
+                  workload: str = "fixed", layouts: tuple[str, ...] = ("packed",)) -> list[dict]:
+    """Generated tokens/s (before EOS) of one RL step: ours for each of `layouts` (the reference pass and update on
+    packed rows, impl "sage_jax", or on padded rows, "sage_jax_padded") and TRL's (torch, CPU, fp32)."""
+    cfg = common.preset_config(preset, dtype)
+    params = common.init_params(cfg, seed)
+    prompts_BxP = np.random.default_rng(seed).integers(2, cfg.vocab_size, (prompts, prompt_len))
+    lengths_N = workloads.workload_lengths(workload, prompts * group, new_tokens, seed)
+    load_before = common.load_average()
+    runs, (peak_s, peak_flops), trl_lengths = _interleaved_steps(preset, dtype, params, prompts_BxP, group, lengths_N,
+                                                                 beta, repeats, trl, seed, layouts)
+    peak = peak_flops / statistics.median(peak_s[1:] or peak_s)
+    step_flops = flops.rl_step_flops(cfg, prompts, group, prompt_len, new_tokens) if workload == "fixed" else None
+    tokens = int((lengths_N - (lengths_N < new_tokens)).sum())  # generated tokens before EOS
+    out = []
+    for impl, rs in runs.items():
+        rs = rs[1:] or rs  # the warm-up step (compilation, first-call set-up) is left out
+        row = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        realised = trl_lengths[-1] if impl == "trl" and trl_lengths else lengths_N  # one step's rows, EOS included
+        lengths = {k: v for k, v in workloads.length_quantiles(realised, new_tokens).items() if k != "tokens"}
+        out.append(dict(preset=preset, dtype=dtype if impl != "trl" else "fp32", impl=impl, workload=workload,
+                        prompts=prompts, group=group, new_tokens=new_tokens, tokens_per_s=tokens / row["seconds"],
+                        **lengths, **row))
+        if step_flops:
+            out[-1].update(model_gflops=step_flops / 1e9, gflops_per_s=step_flops / row["seconds"] / 1e9,
+                           peak_gflops_per_s=peak / 1e9, frac_of_peak=step_flops / row["seconds"] / peak,
+                           at_peak_s=step_flops / peak)
+    _add_ratios(out, bool(step_flops))
+    _print_rl_table(out, preset, prompts, group, load_before, step_flops)
+    return out
+
+
+def _add_ratios(out: list[dict], with_flops: bool) -> None:
+    by = {r["impl"]: r for r in out}
+    for r in out:
+        if "trl" in by and r["impl"] != "trl":
+            r["vs_trl"] = r["tokens_per_s"] / by["trl"]["tokens_per_s"]
+        if r["impl"] == "sage_jax" and "sage_jax_padded" in by:
+            r["vs_padded"] = r["tokens_per_s"] / by["sage_jax_padded"]["tokens_per_s"]
+    if with_flops and "trl" in by:
+        by["trl"]["ceiling_vs_trl"] = by["trl"]["seconds"] / by["trl"]["at_peak_s"]
+
+
+def _print_rl_table(out: list[dict], preset: str, prompts: int, group: int, load_before: float,
+                    step_flops: float | None) -> None:
+    print_table(out, [("impl", ""), ("workload", ""), ("new_tokens", "d"), ("len_p50", ".0f"), ("len_p90", ".0f"),
+                      ("len_max", ".0f"), ("padded_frac", ".3f"), ("seconds", ".2f"), ("tokens_per_s", ".1f"),
+                      ("vs_trl", ".2f"), ("vs_padded", ".2f"), ("generate_s", ".2f"), ("reward_s", ".3f"),
+                      ("ref_s", ".2f"), ("reward_ref_s", ".2f"), ("update_s", ".2f"), ("frac_of_peak", ".2f"),
+                      ("at_peak_s", ".2f"), ("ceiling_vs_trl", ".2f")])
+    print(f"{preset} preset, {prompts} prompts x {group} samples; padded_frac: share of the positions the reference "
+          "pass and the update compute on that hold no token; tokens: generated before EOS; 1-min load average "
+          f"{load_before:.1f} before, {common.load_average():.1f} after ({os.cpu_count()} cores)")
+    if step_flops:
+        print(f"at_peak_s: the step's model FLOPs ({step_flops / 1e9:.0f} GFLOP: sampling, reference forward, policy "
+              "forward + backward) at the jitted matmul peak timed after each step; ceiling_vs_trl: TRL's step over "
+              "that, the most any implementation at this machine's matmul peak could reach against it")
+
+
+def rl_step_mode(args) -> list[dict]:
+    if args.batch % args.group:
+        raise ValueError(f"--batch {args.batch} rows must be a multiple of --group {args.group} (rows = prompts x "
+                         "group)")
+    layouts = ("packed", "padded") if args.layout == "both" else (args.layout,)
+    return [r for p in common.presets(args.preset) for r in bench_rl_step(
+        p, args.dtype, args.batch // args.group, args.group, args.prompt_len, args.new_tokens, repeats=args.repeats,
+        trl=not args.no_trl, workload=args.workload, layouts=layouts)]
