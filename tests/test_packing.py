@@ -5,7 +5,8 @@ import pytest
 
 import optax
 
-from sage_jax import bench_train, guides, model, objectives, packing, packing_report, train_state, workloads
+from sage_jax import guides, model, objectives, packing, packing_report, train_state, workloads
+from sage_jax.bench.common import OPTIM
 from sage_jax import config as config_lib
 
 CFG = model.preset("tiny", attention="naive", attention_block=64)
@@ -87,7 +88,7 @@ def test_packed_loss_and_gradients_equal_padded(params):
 
 def test_packed_train_step_runs_with_grad_accum(params):
     """train_state.make_train_step takes the packed loss; micro-batches split the slice axis."""
-    tx, schedule = train_state.make_optimizer(bench_train.OPTIM, 10)
+    tx, schedule = train_state.make_optimizer(OPTIM, 10)
     step = train_state.make_train_step(CFG, LOSS, tx, schedule, seed=0, grad_accum=2, loss_fn=packing.loss_fn)
     packed = packing.pack(_padded_batch(), slices=2)
     state = train_state.init_state(jax.tree.map(jnp.copy, params), tx)  # the step donates it

@@ -322,12 +322,12 @@ def test_decode_matmuls_flops_match_xla_count(params):
 
 
 def test_decode_flops_counts_prefill_once_per_prompt():
-    from sage_jax import bench_train
+    from sage_jax.bench import flops as bench_flops
     cfg = model.preset("tiny")
     D, V = cfg.hidden_size, cfg.vocab_size
-    prefill = bench_train.decode_flops(cfg, prompts=2, samples=8, prompt_len=16, new_tokens=1)
-    assert prefill == bench_train.decode_flops(cfg, prompts=2, samples=1, prompt_len=16, new_tokens=1)
-    per_step = bench_train.decode_flops(cfg, 2, 8, 16, 3) - bench_train.decode_flops(cfg, 2, 8, 16, 2)
+    prefill = bench_flops.decode_flops(cfg, prompts=2, samples=8, prompt_len=16, new_tokens=1)
+    assert prefill == bench_flops.decode_flops(cfg, prompts=2, samples=1, prompt_len=16, new_tokens=1)
+    per_step = bench_flops.decode_flops(cfg, 2, 8, 16, 3) - bench_flops.decode_flops(cfg, 2, 8, 16, 2)
     layer_params = cfg.num_params - V * D - D  # tied embeddings
     attention = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * (16 + 32)  # prompt bucket + new-token bucket
     assert per_step == 16 * (2 * layer_params + 2 * D * V + attention)
