@@ -51,14 +51,16 @@ def forced_rollout(out, lengths_N: np.ndarray, eos_id: int) -> dict[str, np.ndar
 def forced_length_collect(cfg: model.ModelConfig, prompts_BxP: np.ndarray, group: int, lengths_N: np.ndarray,
                           seed: int, marks: list[float]) -> trainer.CollectFn:
     """rl_step's CollectFn for the benchmark: `group` samples per prompt from the policy (temperature 1, EOS
-    ignored), cut to lengths_N and scored by ids_reward. Appends the time after sampling and after scoring to
+    ignored, each row stopped at its forced length), cut to lengths_N and scored by ids_reward. Appends the time after sampling and after scoring to
     `marks`."""
     prompts = prompts_BxP.tolist()
     new_tokens = int(lengths_N.max())
+    row_limits = [int(n) for n in lengths_N]
 
     def collect(params, step: int):
+        # each row stops at its own length, as it would at its EOS, so finished rows leave the decode batch
         out = jax.device_get(sampler.generate(cfg, params, prompts, new_tokens, temperature=1.0, eos_ids=(),
-                                              seed=seed + step, num_samples=group))
+                                              seed=seed + step, num_samples=group, row_max_new_tokens=row_limits))
         ro = forced_rollout(out, lengths_N, EOS_ID)
         marks.append(time.perf_counter())
         ro["rewards"] = np.array([ids_reward(row[:n]) for row, n in zip(ro["tokens"], ro["lengths"])], np.float32)
