@@ -131,6 +131,7 @@ def test_tiny_experiment_renders_every_arm_and_resumes(tmp_path):
     assert "| base (SFT) |" in text and "## Branch sweep" in text and "## Guide activity" in text
     assert "Holm-adjusted over all" in text and "Minimum detectable effect" in text
     assert "quantile of the SFT base's token entropies" in text
+    assert "RL-prompt pass@1" in text and "## pass@k, RL prompts (trained on)" in text  # experiment.rl_eval_problems
     for png in ("pass_at_k_countdown.png", "pass_at_k_countdown_ood.png", "training_curves.png",
                 "strategy_shares.png", "sweep_heatmap.png"):
         assert (out / png).stat().st_size > 1000, png
@@ -215,6 +216,28 @@ def test_regime_search_smoke_records_every_candidate_and_why(tmp_path):
     # the skewed base is another base; the round-1 candidate keeps the study budget's
     prints = {r["base_fingerprint"] for r in found["candidates"].values()}
     assert len(prints) == 2
+    assert {r["split"] for r in found["candidates"].values()} == {"countdown_rl"}  # judged on the RL prompts
+    assert "countdown_rl" in text and "held-out pass@1 gain" in text
+
+
+def test_a_split_added_later_is_sampled_from_the_finished_checkpoint(tmp_path):
+    """A finished run whose record lacks an evaluation split gets it from its final checkpoint, with the samples a
+    fresh run draws (the same key per split), and keeps its other splits untouched."""
+    from sage_jax.experiments import regime
+    args = ["--out", str(tmp_path / "r.md"), "--work", str(tmp_path / "work"), "--tiny", "--seeds", "2",
+            "--candidates", "round1"]
+    regime.main(args)
+    run = tmp_path / "work" / "tiny" / "regime" / "round1" / "seed1" / "record.json"
+    full = json.loads(run.read_text())
+    assert len(full["eval"]["countdown_rl"]) == 2
+    (base_path,) = (tmp_path / "work" / "tiny" / "regime" / "bases").glob("*/base/record.json")
+    base_full = json.loads(base_path.read_text())
+    for path, record in ((run, full), (base_path, base_full)):
+        path.write_text(json.dumps({**record, "eval": {k: v for k, v in record["eval"].items()
+                                                       if k != "countdown_rl"}}))
+    regime.main(args)
+    again, base_again = json.loads(run.read_text()), json.loads(base_path.read_text())
+    assert again["eval"] == full["eval"] and base_again["eval"] == base_full["eval"]
 
 
 def test_regime_verdicts():

@@ -6,8 +6,9 @@
 Each candidate of configs/countdown_arms.REGIME_CANDIDATES (shared settings only: RL steps, learning rate, beta,
 model size, the base's mode skew, prompts per step, updates per batch) gets plain GRPO with --seeds seeds from its
 SFT base (one base per distinct base setting, shared between candidates). A candidate is kept when GRPO clearly
-sharpens: held-out pass@1 above the base's by at least MIN_GAIN with a 95% t-interval over seeds that excludes 0,
-and distinct correct solutions per problem or pass@n below the base's. The selected regime is the cheapest kept one
+sharpens on experiment.primary_split (held-out problems, or the RL prompts themselves): pass@1 above the base's by
+at least MIN_GAIN with a 95% t-interval over seeds that excludes 0, and distinct correct solutions per problem or
+pass@n below the base's. The selected regime is the cheapest kept one
 (fewest sampled rollouts), the larger pass@1 gain on a tie. The report (markdown + a .json beside it) lists every
 candidate tried, its numbers and why it was kept or dropped; freeze the selected one by copying its overrides into
 countdown_arms.REGIME (one commit) before any arm runs, and change nothing after a guide's results are seen.
@@ -23,6 +24,7 @@ from typing import Any, Mapping, Sequence
 
 from sage_jax import config as config_lib, evaluation, tasks
 from sage_jax.experiments import reproduce, worklist
+from sage_jax.experiments.report import SPLIT_NAMES
 from sage_jax.experiments.stats import fmt, mean_ci, summarize_run
 
 MIN_GAIN = 0.05  # pass@1 over the base that counts as "GRPO clearly sharpens"
@@ -38,13 +40,14 @@ def candidate_config(name: str, budget: str, overrides: Sequence[str], seed: int
     return worklist.load_config("grpo", budget, flags, seed=seed)
 
 
-def verdict(base: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], n: int) -> dict[str, Any]:
-    """The candidate's numbers against the base, and whether (and why) it is kept."""
-    gain, gain_half = mean_ci([r["countdown/pass@1"] - base["countdown/pass@1"] for r in runs])
-    distinct = mean_ci([r["countdown/distinct"] for r in runs])
-    pass_n = mean_ci([r[f"countdown/pass@{n}"] for r in runs])
+def verdict(base: Mapping[str, Any], runs: Sequence[Mapping[str, Any]], n: int, split: str = "countdown"
+            ) -> dict[str, Any]:
+    """The candidate's numbers on `split` against the base, and whether (and why) it is kept."""
+    gain, gain_half = mean_ci([r[f"{split}/pass@1"] - base[f"{split}/pass@1"] for r in runs])
+    distinct = mean_ci([r[f"{split}/distinct"] for r in runs])
+    pass_n = mean_ci([r[f"{split}/pass@{n}"] for r in runs])
     out = {"seeds": len(runs), "gain": (gain, gain_half), "distinct": distinct, "pass_n": pass_n}
-    diversity_down = distinct[0] < base["countdown/distinct"] or pass_n[0] < base[f"countdown/pass@{n}"]
+    diversity_down = distinct[0] < base[f"{split}/distinct"] or pass_n[0] < base[f"{split}/pass@{n}"]
     if len(runs) < 2:
         reason = "dropped: one seed gives no interval (use --seeds >= 2)"
     elif gain < MIN_GAIN:
@@ -86,10 +89,15 @@ def search(names: Sequence[str], budget: str, seeds: int, overrides: Sequence[st
         base = summarize_run(base_record)
         settings, why = mod.REGIME_CANDIDATES[name]
         cost = config.train.steps * config.rollout.prompts_per_step * config.rollout.group_size
-        out[name] = {"settings": settings, "why": why, "rollouts": cost, "base_fingerprint": fp,
-                     "base_pass@1": base["countdown/pass@1"], "base_distinct": base["countdown/distinct"],
-                     "base_pass_n": base[f"countdown/pass@{config.eval.n}"], "n": int(config.eval.n),
-                     **verdict(base, runs, int(config.eval.n))}
+        split, n = config.experiment.primary_split, int(config.eval.n)
+        if f"{split}/pass@1" not in base:
+            raise ValueError(f"experiment.primary_split={split!r} is not evaluated: choose one of "
+                             f"{', '.join(reproduce.eval_sets(rl_task, config))}")
+        held_out = mean_ci([r["countdown/pass@1"] - base["countdown/pass@1"] for r in runs])
+        out[name] = {"settings": settings, "why": why, "rollouts": cost, "base_fingerprint": fp, "split": split,
+                     "base_pass@1": base[f"{split}/pass@1"], "base_distinct": base[f"{split}/distinct"],
+                     "base_pass_n": base[f"{split}/pass@{n}"], "n": n, "held_out_gain": held_out,
+                     **verdict(base, runs, n, split)}
     return out
 
 
@@ -100,23 +108,29 @@ def selected(results: Mapping[str, Mapping[str, Any]]) -> str | None:
 
 def render(results: Mapping[str, Mapping[str, Any]], budget: str, command: str) -> str:
     rows = ["| candidate | settings | why tried | seeds | base pass@1 | pass@1 gain | distinct (base → GRPO) | "
-            "pass@n (base → GRPO) | rollouts | verdict |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
+            "pass@n (base → GRPO) | held-out pass@1 gain | rollouts | verdict |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in results.items():
         settings = ", ".join(f"{k}={v}" for k, v in r["settings"].items()) or "(round 1's)"
         rows.append(f"| {name} | {settings} | {r['why']} | {r['seeds']} | {r['base_pass@1']:.3f} | "
                     f"{fmt(*r['gain'], digits=3)} | {r['base_distinct']:.2f} → {fmt(*r['distinct'], digits=2)} | "
-                    f"{r['base_pass_n']:.3f} → {fmt(*r['pass_n'])} | {r['rollouts']} | {r['reason']} |")
+                    f"{r['base_pass_n']:.3f} → {fmt(*r['pass_n'])} | {fmt(*r['held_out_gain'], digits=3)} | "
+                    f"{r['rollouts']} | {r['reason']} |")
     choice = selected(results)
+    first = next(iter(results.values()), {})
+    split = first.get("split", "countdown")
     frozen = ("No candidate met the criterion: widen REGIME_CANDIDATES (longer RL, a more skewed base, a larger "
               "model) and rerun; do not run the arms in a regime where GRPO does not sharpen." if choice is None else
               f"Selected: **{choice}** (the cheapest kept regime). Freeze it before any arm runs, in one commit:\n\n"
               f"```python\nREGIME = {dict(results[choice]['settings'])!r}  # configs/countdown_arms.py\n```")
     return "\n".join([
         f"# Regime search (GRPO only, budget `{budget}`)\n",
-        f"Chosen before any guide runs. Kept when GRPO's held-out pass@1 rises over its SFT base by at least "
+        f"Chosen before any guide runs. Kept when GRPO's pass@1 on the split `{split}` "
+        f"({SPLIT_NAMES.get(split, split)}) rises over its SFT base by at least "
         f"{MIN_GAIN} with a 95% t-interval over seeds excluding 0, and distinct correct solutions per problem or "
-        f"pass@n fall below the base's. pass@n: n = {next(iter(results.values()))['n'] if results else '?'}; "
-        "rollouts = RL steps × prompts × samples (the cost).\n", "\n".join(rows) + "\n", frozen + "\n",
+        f"pass@n fall below the base's there (the held-out gain is shown beside it). pass@n: n = "
+        f"{first['n'] if results else '?'}; rollouts = RL steps × prompts × samples (the cost).\n",
+        "\n".join(rows) + "\n", frozen + "\n",
         "Made by:\n", f"```\n{command}\n```\n"])
 
 

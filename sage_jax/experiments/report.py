@@ -13,7 +13,9 @@ from sage_jax.experiments import plots
 from sage_jax.experiments.stats import aggregate, fmt, holm, paired_diffs, paired_test, summarize_run
 from sage_jax.rewards import countdown
 
-SPLIT_NAMES = {"countdown": "held-out (ID)", "countdown_ood": "OOD (wider number range)"}
+SPLIT_NAMES = {"countdown": "held-out (ID)", "countdown_ood": "OOD (wider number range)",
+               "countdown_rl": "RL prompts (trained on)"}
+RL = "countdown_rl"
 # each arm against its baseline: the paper-form Branch against GRPO with the same (k1-in-reward) anchor
 PAIRS = (("grpo_branch", "grpo"), ("grpo_branch_paper", "grpo_rkl"), ("grpo_rkl", "grpo"), ("grpo_token", "grpo"),
          ("grpo_random", "grpo"), ("fkl", "grpo"), ("grpo_nokl", "grpo"), ("grpo_entropy", "grpo"),
@@ -72,6 +74,9 @@ def _headline(results: Mapping[str, Any], splits: Sequence[str], n: int) -> str:
     header = ["arm", "seeds", "ID pass@1", "ID pass@16" if n >= 16 else "ID pass@" + str(n // 2 or 1),
               f"ID pass@{n}", "OOD pass@1", f"OOD pass@{n}", "ID distinct sols / problem", "ID coverage",
               "entropy (end)", "train reward (end)"]
+    rl = RL in splits  # the RL prompts' columns after the held-out ones
+    if rl:
+        header[6:6] = ["RL-prompt pass@1", f"RL-prompt pass@{n}", "RL-prompt distinct"]
     mid = min(16, max(n // 2, 1))
     rows = []
     base = {k: (v, math.nan) for k, v in results["base"].items() if not k.endswith("/curve")}
@@ -82,6 +87,8 @@ def _headline(results: Mapping[str, Any], splits: Sequence[str], n: int) -> str:
                      _cell(agg, f"{ood}/pass@1"), _cell(agg, f"{ood}/pass@{n}"),
                      _cell(agg, f"{id_split}/distinct", 2), _cell(agg, f"{id_split}/coverage"),
                      _cell(agg, "train/entropy_end"), _cell(agg, "train/reward_end")])
+        if rl:
+            rows[-1][6:6] = [_cell(agg, f"{RL}/pass@1"), _cell(agg, f"{RL}/pass@{n}"), _cell(agg, f"{RL}/distinct", 2)]
     return _table(header, rows)
 
 
@@ -121,7 +128,9 @@ def _share_table(rows: Mapping[str, Mapping[str, tuple[float, float]]]) -> str:
 def _pair_keys(splits: Sequence[str], n: int) -> list[tuple[str, str]]:
     return [(f"{splits[0]}/pass@1", "ID pass@1"), (f"{splits[0]}/pass@{n}", f"ID pass@{n}"),
             (f"{splits[-1]}/pass@1", "OOD pass@1"), (f"{splits[-1]}/pass@{n}", f"OOD pass@{n}"),
-            (f"{splits[0]}/distinct", "ID distinct")]
+            (f"{splits[0]}/distinct", "ID distinct")] + (
+        [(f"{RL}/pass@1", "RL-prompt pass@1"), (f"{RL}/pass@{n}", f"RL-prompt pass@{n}"),
+         (f"{RL}/distinct", "RL-prompt distinct")] if RL in splits else [])
 
 
 def paired_comparisons(results: Mapping[str, Any], splits: Sequence[str], n: int) -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -43,7 +43,9 @@ from sage_jax.experiments import measure, report, text
 from sage_jax.experiments.worklist import Job, arms_module, branch_taus, jobs, load_config
 from sage_jax.rewards import countdown
 
-SPLITS = ("countdown", "countdown_ood")
+# evaluation splits in fold-in order (each split's samples are keyed by its index here, so a split added later
+# leaves the others' samples unchanged); countdown_rl (experiment.rl_eval_problems > 0): RL prompts, trained on
+SPLITS = ("countdown", "countdown_ood", "countdown_rl")
 BASE_SECTIONS = ("model", "data", "sft", "eval", "seed")  # config sections a finished base / run must match
 RUN_SECTIONS = BASE_SECTIONS + ("rollout", "loss", "optim", "train")
 
@@ -64,12 +66,14 @@ def use_compile_cache(path: str) -> None:
 
 
 def split_task(task: tasks.Task, sft_problems: int) -> tuple[tasks.Task, tasks.Task]:
-    """(SFT task, RL task): disjoint training problems, the same evaluation sets."""
+    """(SFT task, RL task): disjoint training problems, the same evaluation sets, plus countdown_rl: the RL
+    problems in their stored order (the experiment evaluates the first experiment.rl_eval_problems of them)."""
     if not 0 < sft_problems < len(task.train):
         raise ValueError(f"experiment.sft_problems={sft_problems} must leave RL problems among the "
                          f"{len(task.train)} training problems (data.num_train)")
-    return (dataclasses.replace(task, train=task.train[:sft_problems]),
-            dataclasses.replace(task, train=task.train[sft_problems:]))
+    evals = {**task.evals, "countdown_rl": task.train[sft_problems:]}
+    return (dataclasses.replace(task, train=task.train[:sft_problems], evals=evals),
+            dataclasses.replace(task, train=task.train[sft_problems:], evals=evals))
 
 
 def _read(path: str) -> dict[str, Any] | None:
@@ -88,17 +92,31 @@ def _check_same(record: dict[str, Any], fp: str, where: str) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------------- evaluation
 
+def eval_sizes(config) -> dict[str, int]:
+    """Problems per evaluation split (0: not evaluated)."""
+    return {"countdown": config.eval.problems, "countdown_ood": config.experiment.ood_problems,
+            "countdown_rl": config.experiment.rl_eval_problems}
+
+
 def eval_sets(task: tasks.Task, config) -> dict[str, list[dict[str, Any]]]:
-    sizes = {"countdown": config.eval.problems, "countdown_ood": config.experiment.ood_problems}
-    return {s: [task.gold(ex) for ex in task.evals[s][:sizes[s]]] for s in SPLITS}
+    sizes = eval_sizes(config)
+    return {s: [task.gold(ex) for ex in task.evals[s][:sizes[s]]] for s in SPLITS if sizes[s] and s in task.evals}
 
 
-def evaluate_policy(task, cfg, params, config, key) -> dict[str, list[dict[str, Any]]]:
+def evaluate_policy(task, cfg, params, config, key, only: Sequence[str] | None = None
+                    ) -> dict[str, list[dict[str, Any]]]:
+    """Per-problem sample statistics on each evaluation split (or the splits in `only`)."""
     ev = config.eval
     return {s: measure.sample_problems(cfg, params, task.tokenizer, golds, n=ev.n, max_new_tokens=ev.max_new_tokens,
                                        temperature=ev.temperature, min_p=ev.min_p,
-                                       key=jax.random.fold_in(key, i), rows_per_call=config.experiment.rows_per_call)
-            for i, (s, golds) in enumerate(eval_sets(task, config).items())}
+                                       key=jax.random.fold_in(key, SPLITS.index(s)),
+                                       rows_per_call=config.experiment.rows_per_call)
+            for s, golds in eval_sets(task, config).items() if only is None or s in only}
+
+
+def missing_splits(task, config, record: Mapping[str, Any]) -> list[str]:
+    """Evaluation splits the config asks for that a finished record lacks (a split added after it ran)."""
+    return [s for s in eval_sets(task, config) if s not in record.get("eval", {})]
 
 
 def entropy_profile(task, cfg, params, config, taus: Sequence[float]) -> dict[str, Any]:
@@ -142,6 +160,10 @@ def train_base(task, config, work: str, command: str = "") -> tuple[Any, Any, di
     _check_same(record, fp, path)
     cfg, params = supervised.run_sft(config, os.path.join(work, "base"), task)  # restores the finished checkpoint
     print(f"[base] reusing {os.path.dirname(path)}", flush=True)
+    if missing := missing_splits(task, config, record):
+        record["eval"].update(evaluate_policy(task, cfg, params, config, jax.random.key(10_000), only=missing))
+        evaluation.write_json(path, record)
+        print(f"[base] evaluated the splits its record lacked: {', '.join(missing)}", flush=True)
     return cfg, jax.device_get(params), record
 
 
@@ -213,14 +235,38 @@ def run_one(task, job: Job, base_params, command: str = "", base_checksum: str =
     """RL from the base with the job's config (resumable), then the evaluation; the run's record (None when another
     process is running it)."""
     record = finished(job.config, job.run_dir, job.mirror)
-    if record is not None:
+    if record is not None and not missing_splits(task, job.config, record):
         return record
     with claim(job.run_dir) as mine:
         if not mine:
             print(f"[{job.label}] another process is running it; skipped here", flush=True)
             return None
         record = finished(job.config, job.run_dir, job.mirror)  # it may have finished between check and claim
-        return record if record is not None else _run_one(task, job, base_params, command, base_checksum)
+        if record is not None:
+            return _add_missing_splits(task, job, base_params, record)
+        return _run_one(task, job, base_params, command, base_checksum)
+
+
+def _add_missing_splits(task, job: Job, base_params, record: dict[str, Any]) -> dict[str, Any]:
+    """A finished run's record with the evaluation splits it lacks, sampled from its final checkpoint with the
+    keys a fresh run would have used."""
+    missing = missing_splits(task, job.config, record)
+    if not missing:
+        return record
+    if not os.path.isdir(os.path.join(job.run_dir, "rl", "checkpoints")):  # where run_rl keeps them
+        print(f"[{job.label}] its record lacks {', '.join(missing)} and its checkpoint is gone; left as it is",
+              flush=True)
+        return record
+    result = trainer.run_rl(job.config, job.run_dir, task=task, params_override=base_params)  # restores, no steps
+    t0 = time.perf_counter()
+    record["eval"].update(evaluate_policy(task, result.cfg, result.state["params"], job.config,
+                                          jax.random.key(20_000 + job.config.seed), only=missing))
+    record["times"]["eval_wall_s"] += time.perf_counter() - t0
+    for path in (os.path.join(job.run_dir, "record.json"), job.mirror):
+        if path:
+            evaluation.write_json(path, record)
+    print(f"[{job.label}] evaluated the splits its record lacked: {', '.join(missing)}", flush=True)
+    return record
 
 
 def _run_one(task, job: Job, base_params, command: str, base_checksum: str) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import os
 import statistics
 from typing import Any, Mapping, Sequence
 
-SPLITS = ("countdown", "countdown_ood")
+SPLITS = ("countdown", "countdown_rl", "countdown_ood")  # report order: held-out first, OOD last
 
 
 def _flat(d: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -48,7 +48,7 @@ def estimate(full, base_record, records, n_arms: int) -> dict[str, float]:
     per_row = statistics.median(r["times"]["eval_wall_s"] / rows[id(r)] for r in runs)
     sft_steps = max(base_record.get("sft_steps", 1), 1)
     sft = base_record["times"]["sft_wall_s"] / sft_steps * full.sft.steps
-    full_rows = full.eval.n * (full.eval.problems + full.experiment.ood_problems)
+    full_rows = full.eval.n * (full.eval.problems + full.experiment.ood_problems + full.experiment.rl_eval_problems)
     one_run = overhead + per_step * full.train.steps + per_row * full_rows
     est = {"sft_s": sft, "per_run_s": one_run, "rl_runs": n_arms * full.experiment.seeds,
            "total_s": sft + per_row * full_rows + n_arms * full.experiment.seeds * one_run,
@@ -65,7 +65,8 @@ def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, swee
     from sage_jax import train_state
     from sage_jax.rewards import countdown
     n = int(config.eval.n)
-    problems = {s: len(base_record["eval"][s]) for s in SPLITS}
+    splits = [s for s in SPLITS if s in base_record["eval"]]
+    problems = {s: len(base_record["eval"][s]) for s in splits}
     est = estimate(full, base_record, records, len(arms_mod.ARMS))
     m = config.model
     num_params = train_state.model_config(config, vocab_size=countdown.CountdownTokenizer().vocab_size).num_params
@@ -113,7 +114,7 @@ def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, swee
     commands = _commands(command, [base_record, *all_runs])
     sweep_note = (f"{sweep_seeds} seed(s) per cell, otherwise the grpo_branch arm; taus chosen around the base "
                   "policy's token entropies (see the setup section).")
-    return {"budget": budget, "seeds": seeds, "arms": list(arms), "n": n, "splits": list(SPLITS),
+    return {"budget": budget, "seeds": seeds, "arms": list(arms), "n": n, "splits": splits,
             "problems": problems, "description": description, "setup": setup, "hyperparameters": hyper,
             "timing": timing, "caveats": caveats, "commands": commands, "arm_times": times,
             "demo_shares": base_record.get("demo_shares"), "sweep_note": sweep_note,
