@@ -151,9 +151,9 @@ def compile_programs(cfg, config, mesh, rules, shapes) -> dict[str, dict[str, in
         # the trainer runs no-grad passes train.logprob_rows rows at a time
         ref_rows = min(shapes.step_rows, config.train.logprob_rows or shapes.step_rows)
         lowered = {
-            "train_step": pp.lower_train_step(cfg, config, state, tx, schedule,
+            "train_step": pp.lower_train_step(cfg, config, state, ref, tx, schedule,
                                               pp.abstract_batch(config, shapes, shapes.update_rows, mesh)),
-            "sampler": pp.lower_sampler(cfg, config, state["params"], shapes, mesh),
+            "sampler": pp.lower_sampler(cfg, config, pp.policy_params(config, state, ref), shapes, mesh),
             "ref_logprobs": pp.lower_ref_logprobs(cfg, config, ref, pp.abstract_batch(config, shapes, ref_rows, mesh),
                                                   shapes),
         }
@@ -204,8 +204,11 @@ def analytic(cfg, config, mesh, rules, shapes) -> tuple[dict[str, int], list[str
         state, ref, _, _ = abstract_state(cfg, config, mesh, rules)
     batch = abstract_batch(config, shapes, shapes.step_rows, mesh)
     kv, kv_sharded = kv_cache_bytes(cfg, shapes, mesh, rules)
+    # LoRA: the trained params are the adapters, and the frozen base is the reference (one copy, counted as base)
+    lora = config.model.lora.rank > 0
     out = {"params": tree_bytes(state["params"]), "opt_state": tree_bytes(state["opt_state"]) + tree_bytes(
-        state["step"]), "ref_params": tree_bytes(ref), "kv_cache": kv, "step_batch": tree_bytes(batch),
+        state["step"]), "ref_params": 0 if lora else tree_bytes(ref), "base_params": tree_bytes(ref) if lora else 0,
+        "kv_cache": kv, "step_batch": tree_bytes(batch),
         "opt_state_if_sharded": opt_bytes_if_sharded_like_params(state["opt_state"], state["params"])}
     # Parts of the step's batch that stay on device while the reference pass runs (tokens / mask are its inputs).
     out["batch_besides_ref_inputs"] = tree_bytes({k: v for k, v in batch.items() if k not in (
@@ -269,6 +272,8 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
     static, warnings = analytic(cfg, config, mesh, rules, shapes)
     programs, measured = _compile_all(cfg, config, mesh, rules, shapes, layers) if do_compile else ({}, {})
     state = static["params"] + static["opt_state"]
+    # With LoRA every program takes the frozen base as an argument, so only full fine-tuning's reference copy and
+    # what the program does not take count as resident beside it.
     resident = {"train_step": static["ref_params"] + (static["step_batch"] if config.optim.mini_batches > 1 else 0),
                 "sampler": static["opt_state"] + static["ref_params"],
                 "ref_logprobs": state + static["batch_besides_ref_inputs"]}
@@ -276,9 +281,9 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
     if do_compile:
         phases = {k: programs[k]["peak"] + resident[k] for k in PROGRAMS if k not in oom}
     else:  # lower bounds: what must be resident, without any activations
-        phases = {"train_step": state + static["ref_params"] + static["step_batch"],
-                  "sampler": state + static["ref_params"] + static["kv_cache"],
-                  "ref_logprobs": state + static["ref_params"] + static["step_batch"]}
+        held = state + static["base_params"] + static["ref_params"]
+        phases = {"train_step": held + static["step_batch"], "sampler": held + static["kv_cache"],
+                  "ref_logprobs": held + static["step_batch"]}
     warnings += [f"{k}: XLA:TPU cannot fit it in HBM: {msg}" for k, msg in oom.items()]
     peak_phase = max(phases, key=phases.get) if phases else next(iter(oom))
     memory = round(memory_gb * GB)
@@ -295,13 +300,23 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
         "mesh": dict(mesh.shape), "memory_bytes": memory,
         "model": {"source": source, "num_layers": cfg.num_layers, "num_params": cfg.num_params,
                   "param_dtype": cfg.param_dtype, "compute_dtype": cfg.compute_dtype,
-                  "ref_dtype": config.model.ref_dtype, "remat": cfg.remat, "compiled_layers": list(measured)},
+                  "ref_dtype": config.model.ref_dtype, "remat": cfg.remat, "compiled_layers": list(measured),
+                  "lora": _lora_summary(cfg, config)},
         "shapes": dataclasses.asdict(shapes) | {"seq_len": shapes.seq_len, "cache_len": shapes.cache_len},
         "analytic": static, "programs": programs, "measured": measured, "resident": resident, "phases": phases,
         "peak_phase": peak_phase, "peak_bytes": peak, "lower_bound": not do_compile,
         "fits": not oom and peak <= memory, "headroom_bytes": memory - peak, "warnings": warnings,
         "prediction": prediction,
     }
+
+
+def _lora_summary(cfg, config) -> dict[str, Any] | None:
+    from sage_jax import lora
+    lcfg = lora.LoraConfig.from_config(config.model.lora)
+    if lcfg is None:
+        return None
+    return {"rank": lcfg.rank, "alpha": lcfg.alpha, "targets": list(lcfg.targets),
+            "adapter_params": lora.num_params(cfg, lcfg)}
 
 
 def _fmt(n: int) -> str:
@@ -321,10 +336,13 @@ def format_report(r: dict[str, Any]) -> str:
     where = (f"{r['devices']} simulated CPU devices, compiled by XLA:CPU (jax {c['jax']})" if c["name"] == "XLA:CPU"
              else f"{c['topology']} ({r['devices']} x {c['device_kind']}, abstract), compiled by XLA:TPU (libtpu "
                   f"{c['libtpu']}, jax {c['jax']})")
+    lora = m.get("lora")
+    trained = (f"LoRA rank {lora['rank']} on {','.join(lora['targets'])}: {lora['adapter_params'] / 1e6:.1f}M "
+               "adapter params trained, the frozen base is the reference" if lora else "full fine-tuning")
     lines = [
         f"memory plan: {r['config']} on {where}, mesh {mesh}",
         f"model: {m['source']}: {m['num_params'] / 1e9:.2f}B params, {m['num_layers']} layers{depth}; params "
-        f"{m['param_dtype']}, compute {m['compute_dtype']}, reference {m['ref_dtype']}, remat={m['remat']}",
+        f"{m['param_dtype']}, compute {m['compute_dtype']}, reference {m['ref_dtype']}, remat={m['remat']}; {trained}",
         f"train_step: {s['update_rows']} rows per update = {s['grad_accum']} micro-batch(es) of "
         f"{s['update_rows'] // s['grad_accum']} ({s['update_rows'] // s['grad_accum'] / s['dp']:g} per data-parallel "
         f"device), {s['seq_len']} tokens = prompt {s['prompt_len']} + completion {s['completion_len']}",
@@ -333,10 +351,11 @@ def format_report(r: dict[str, Any]) -> str:
         f"{s['cache_len']} slots; ref_logprobs: {s['step_rows']} rows",
         "",
         "per device (analytic, from shardings)",
-        f"  parameters          {_fmt(a['params']):>12}",
+        f"  trained params      {_fmt(a['params']):>12}" + ("   (the adapters)" if lora else ""),
         f"  optimizer state     {_fmt(a['opt_state']):>12}   ({_fmt(a['opt_state_if_sharded'])} if sharded like the "
         "params)",
-        f"  reference params    {_fmt(a['ref_params']):>12}",
+        *([f"  frozen base         {_fmt(a['base_params']):>12}   (also the reference: no second copy)"] if lora
+          else [f"  reference params    {_fmt(a['ref_params']):>12}"]),
         f"  KV cache (rollout)  {_fmt(a['kv_cache']):>12}   (inside the sampler's temp)",
         f"  step batch          {_fmt(a['step_batch']):>12}",
     ]

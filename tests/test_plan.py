@@ -41,7 +41,9 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("plan")
     procs = {"plan": _plan_cli("--chip", "v4", "--json", str(tmp / "plan.json")),
              "layers": _plan_cli("--layers", "1", "--memory-gb", "0.000001", "--json", str(tmp / "layers.json")),
-             "independent": _start(["-c", INDEPENDENT])}
+             "independent": _start(["-c", INDEPENDENT]),
+             "lora": _plan_cli("--chip", "v4", "--config.model.lora.rank=1", "--config.model.lora.alpha=2",
+                               "--json", str(tmp / "lora.json"))}
     done = {name: _finish(p) for name, p in procs.items()}
     return done, tmp
 
@@ -139,6 +141,24 @@ def test_layers_extrapolation_and_verdict_flip(report, runs):
     assert not small["fits"] and small["headroom_bytes"] < 0
     assert small["model"]["compiled_layers"] == [1, 2]
     assert small["programs"] == report["programs"]  # 1 and 2 layers extrapolated to the full 2 are exact
+
+
+def test_lora_plan_trains_only_the_adapters_and_holds_one_copy_of_the_weights(report, runs):
+    done, tmp = runs
+    proc = done["lora"]
+    assert proc.returncode == 0, proc.stderr
+    assert "frozen base" in proc.stdout and "no second copy" in proc.stdout
+    lora, full = json.loads((tmp / "lora.json").read_text())["analytic"], report["analytic"]
+    r = json.loads((tmp / "lora.json").read_text())
+    assert r["model"]["lora"]["rank"] == 1 and report["model"]["lora"] is None
+    assert lora["params"] + lora["opt_state"] < (full["params"] + full["opt_state"]) / 4  # adapters + moments
+    assert lora["ref_params"] == 0 < full["ref_params"]  # the reference is the base itself
+    assert lora["base_params"] == full["params"] and full["base_params"] == 0  # tiny_test's params are fp32 either way
+    train = r["programs"]["train_step"]
+    # the compiled update takes the frozen base and the adapters' state, and is smaller than the full one's inputs
+    assert train["argument"] >= lora["base_params"] + lora["params"] + lora["opt_state"]
+    assert train["argument"] < report["programs"]["train_step"]["argument"]
+    assert r["resident"]["train_step"] == 0 and r["resident"]["sampler"] == lora["opt_state"]
 
 
 def test_mesh_that_does_not_fit_the_devices_is_a_clear_error():
