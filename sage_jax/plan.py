@@ -20,7 +20,8 @@ KV-cache bytes are also computed from the shardings (shard shape x itemsize). Ex
 (or XLA:TPU refused a program for HBM), 2 config or mesh error. `--layers N` compiles N and N + 1 layers and
 extrapolates linearly to the full depth, a rough estimate (XLA's buffer reuse is not linear in depth; see
 docs/PERFORMANCE.md). `--no-compile` still compiles the trainer's tiny state-init program, whose output shardings
-are what the trainer keeps.
+are what the trainer keeps; with --compiler tpu it skips the memory programs but still makes the prediction (its
+cost variants are compiled at 1 and 2 layers, whatever the depth), the quick way to a prediction of a deep model.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                              "when libtpu is installed); cpu: XLA:CPU on --devices simulated devices")
     parser.add_argument("--topology", default="", help="TPU slice shape, e.g. 2x4x4 (v5p-64) or 4x4 (v5e-16)")
     parser.add_argument("--layers", type=int, default=0, help="compile N and N+1 layers, extrapolate to full depth")
-    parser.add_argument("--no-compile", action="store_true", help="analytic bytes only (no activations)")
+    parser.add_argument("--no-compile", action="store_true", help="analytic bytes only (no activations); with "
+                        "--compiler tpu the prediction is still made unless --no-predict")
     parser.add_argument("--no-predict", action="store_true", help="with --compiler tpu: memory only, no roofline")
     parser.add_argument("--json", default="", help="write the report as one JSON line to this file ('-': stdout)")
     args = parser.parse_args([a for a in argv if not a.startswith("--config.")])
@@ -288,7 +290,7 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
     peak_phase = max(phases, key=phases.get) if phases else next(iter(oom))
     memory = round(memory_gb * GB)
     prediction = None
-    if compiler == "tpu" and do_compile and predict and not oom:
+    if compiler == "tpu" and predict and not oom:
         from sage_jax import roofline
         t0 = time.perf_counter()
         costs = roofline.measure_costs(cfg, config, mesh, rules, shapes)

@@ -177,6 +177,21 @@ def test_no_compile_mode_in_process():
     assert "at least" in plan.format_report(r)
 
 
+def test_no_compile_with_the_tpu_compiler_still_predicts(monkeypatch):
+    """--no-compile --compiler tpu: no memory program is compiled, the prediction's cost variants still are."""
+    import jax
+    from sage_jax import config as config_lib
+    cost = {"flops": 1e9, "bytes": 1e6, "optimal_seconds": 0.0, "loops": 0.0, "kernels": 0.0}
+    asked = []
+    monkeypatch.setattr(plan, "_devices", lambda *a: (jax.devices()[:8], 8, {"name": "XLA:TPU", "libtpu": "x",
+                        "jax": jax.__version__, "topology": "v5p:2x2x2", "device_kind": "TPU v5"}))
+    monkeypatch.setattr(plan, "compile_programs", lambda *a: pytest.fail("compiled a memory program"))
+    monkeypatch.setattr(roofline, "measure_costs", lambda *a: asked.append(a) or {"train_step": dict(cost)})
+    r = plan.run(config_lib.load(TINY), do_compile=False, compiler="tpu", topology="2x2x2", config_name=TINY)
+    assert r["programs"] == {} and r["lower_bound"] and len(asked) == 1
+    assert r["prediction"]["programs"]["train_step"]["flops"] == 1e9
+
+
 def test_simulate_devices_refuses_more_devices_than_the_process_has():
     with pytest.raises(ValueError, match="fresh process"):
         plan.simulate_devices(4096)
