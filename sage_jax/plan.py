@@ -11,6 +11,8 @@ shardings, no weights; sage_jax.plan_programs), at the worst-case shapes a step 
                 tokens, scanned over grad_accum micro-batches, state donated;
   sampler       the rollout program: prompts_per_step prompts x group_size samples, KV cache of prompt + new buckets;
   ref_logprobs  the reference model's pass, train.logprob_rows rows at a time.
+With LoRA (config.model.lora.rank > 0) the trained state is the adapters and their optimizer moments, and every
+program also takes the frozen base, which is the reference itself: no second copy of the weights is counted.
 --compiler tpu (the default when libtpu is installed) compiles them with XLA:TPU for an abstract slice of --chip
 shaped --topology, and adds sage_jax.roofline's PREDICTION of the run; --compiler cpu compiles them with XLA:CPU for
 --devices simulated devices, which only approximates a TPU (fusion, layouts, bf16 handling differ).
