@@ -203,13 +203,13 @@ def opt_bytes_if_sharded_like_params(opt_state, params) -> int:
 
 def analytic(cfg, config, mesh, rules, shapes) -> tuple[dict[str, int], list[str]]:
     from sage_jax import sharding
-    from sage_jax.plan_programs import abstract_batch, abstract_state, tree_bytes
+    from sage_jax.plan_programs import abstract_batch, abstract_state, lora_config, tree_bytes
     with sharding.use_rules(rules):
         state, ref, _, _ = abstract_state(cfg, config, mesh, rules)
     batch = abstract_batch(config, shapes, shapes.step_rows, mesh)
     kv, kv_sharded = kv_cache_bytes(cfg, shapes, mesh, rules)
     # LoRA: the trained params are the adapters, and the frozen base is the reference (one copy, counted as base)
-    lora = config.model.lora.rank > 0
+    lora = lora_config(config) is not None
     out = {"params": tree_bytes(state["params"]), "opt_state": tree_bytes(state["opt_state"]) + tree_bytes(
         state["step"]), "ref_params": 0 if lora else tree_bytes(ref), "base_params": tree_bytes(ref) if lora else 0,
         "kv_cache": kv, "step_batch": tree_bytes(batch),
@@ -305,22 +305,13 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
         "model": {"source": source, "num_layers": cfg.num_layers, "num_params": cfg.num_params,
                   "param_dtype": cfg.param_dtype, "compute_dtype": cfg.compute_dtype,
                   "ref_dtype": config.model.ref_dtype, "remat": cfg.remat, "compiled_layers": list(measured),
-                  "lora": _lora_summary(cfg, config)},
+                  "lora": plan_programs.lora_summary(cfg, config)},
         "shapes": dataclasses.asdict(shapes) | {"seq_len": shapes.seq_len, "cache_len": shapes.cache_len},
         "analytic": static, "programs": programs, "measured": measured, "resident": resident, "phases": phases,
         "peak_phase": peak_phase, "peak_bytes": peak, "lower_bound": not do_compile,
         "fits": not oom and peak <= memory, "headroom_bytes": memory - peak, "warnings": warnings,
         "prediction": prediction,
     }
-
-
-def _lora_summary(cfg, config) -> dict[str, Any] | None:
-    from sage_jax import lora
-    lcfg = lora.LoraConfig.from_config(config.model.lora)
-    if lcfg is None:
-        return None
-    return {"rank": lcfg.rank, "alpha": lcfg.alpha, "targets": list(lcfg.targets),
-            "adapter_params": lora.num_params(cfg, lcfg)}
 
 
 def _fmt(n: int) -> str:

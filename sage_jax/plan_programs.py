@@ -86,6 +86,14 @@ def lora_config(config) -> lora.LoraConfig | None:
     return lora.LoraConfig.from_config(config.model.lora)
 
 
+def lora_summary(cfg, config) -> dict[str, Any] | None:
+    lcfg = lora_config(config)
+    if lcfg is None:
+        return None
+    return {"rank": lcfg.rank, "alpha": lcfg.alpha, "targets": list(lcfg.targets),
+            "adapter_params": lora.num_params(cfg, lcfg)}
+
+
 def abstract_state(cfg, config, mesh, rules):
     """(state, reference params, tx, schedule) laid out as trainer.setup_rl lays them out, without any weights.
 
