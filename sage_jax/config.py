@@ -63,14 +63,52 @@ def _parse_value(text: str, current: Any, key: str) -> Any:
         except ValueError:
             raise ConfigError(f"--config.{key}={text}: expected a number") from None
     if isinstance(current, (tuple, list)):
-        try:
-            value = ast.literal_eval(text if text.strip().startswith(("(", "[")) else f"({text},)")
-        except (ValueError, SyntaxError):
-            raise ConfigError(f"--config.{key}={text}: expected a tuple such as 1,2,4") from None
-        return tuple(value)
+        return _parse_tuple(text, tuple(current), key)
     if isinstance(current, str) or current is None:
         return text
     raise ConfigError(f"--config.{key}: cannot set a field of type {type(current).__name__} from the command line")
+
+
+def _parse_tuple(text: str, current: tuple, key: str) -> tuple:
+    """`1,2,4`, `q_proj,v_proj` (bare words are strings) or a Python literal `(1, 2)`; the items must have the type
+    of the field's current items, so a typo fails here rather than deep in the run."""
+    kinds = {type(x) for x in current}
+    kind = kinds.pop() if len(kinds) == 1 else None
+    example = ",".join(map(str, current[:2])) or "1,2,4"
+    if text.strip().startswith(("(", "[")):
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise ConfigError(f"--config.{key}={text}: not a valid tuple; write it as {example}") from None
+        if not isinstance(value, (tuple, list)):
+            raise ConfigError(f"--config.{key}={text}: expected a tuple such as {example}")
+        items = list(value)
+    else:
+        items = [_parse_item(part.strip(), kind) for part in text.split(",") if part.strip()]
+    bad = [x for x in items if not _item_fits(x, kind)]
+    if bad or (text.strip() and not items):
+        want = f"{kind.__name__} items" if kind else "items"
+        raise ConfigError(f"--config.{key}={text}: expected {want} such as {example} (bad: "
+                          f"{', '.join(map(repr, bad)) or repr(text)})")
+    return tuple(float(x) if kind is float else x for x in items)
+
+
+def _item_fits(x: Any, kind: type | None) -> bool:
+    if kind is None:  # an empty or mixed tuple: anything goes
+        return True
+    if isinstance(x, bool) or kind is bool:  # bool is an int subclass: keep the two apart
+        return isinstance(x, bool) and kind is bool
+    return isinstance(x, (int, float)) if kind is float else isinstance(x, kind)
+
+
+def _parse_item(text: str, kind: type | None) -> Any:
+    """One comma-separated item: a string field's items are taken as written, others as Python literals."""
+    if kind is str:
+        return text
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text  # a bare word; rejected by the type check unless the field holds strings
 
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides: Sequence[str]) -> ml_collections.ConfigDict:
@@ -152,7 +190,14 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("sft.batch_size", lambda v: v >= 1, ">= 1"),
     ("sft.lr", lambda v: v > 0, "> 0"),
     ("sft.num_demos", lambda v: v >= 1, ">= 1"),
+    ("model.lora.targets", lambda v: bool(v) and set(v) <= set(_lora_modules()),
+     "HF module names LoRA can adapt (sage_jax.lora.MODULES: q_proj, ..., down_proj), e.g. q_proj,v_proj"),
 )
+
+
+def _lora_modules() -> tuple[str, ...]:
+    from sage_jax import lora  # imports JAX: only when a config is validated, never at flag parsing
+    return tuple(lora.MODULES.values())
 
 
 def _get(config: ml_collections.ConfigDict, key: str) -> tuple[bool, Any]:

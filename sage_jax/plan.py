@@ -11,6 +11,8 @@ shardings, no weights; sage_jax.plan_programs), at the worst-case shapes a step 
                 tokens, scanned over grad_accum micro-batches, state donated;
   sampler       the rollout program: prompts_per_step prompts x group_size samples, KV cache of prompt + new buckets;
   ref_logprobs  the reference model's pass, train.logprob_rows rows at a time.
+With LoRA (config.model.lora.rank > 0) the trained state is the adapters and their optimizer moments, and every
+program also takes the frozen base, which is the reference itself: no second copy of the weights is counted.
 --compiler tpu (the default when libtpu is installed) compiles them with XLA:TPU for an abstract slice of --chip
 shaped --topology, and adds sage_jax.roofline's PREDICTION of the run; --compiler cpu compiles them with XLA:CPU for
 --devices simulated devices, which only approximates a TPU (fusion, layouts, bf16 handling differ).
@@ -20,7 +22,8 @@ KV-cache bytes are also computed from the shardings (shard shape x itemsize). Ex
 (or XLA:TPU refused a program for HBM), 2 config or mesh error. `--layers N` compiles N and N + 1 layers and
 extrapolates linearly to the full depth, a rough estimate (XLA's buffer reuse is not linear in depth; see
 docs/PERFORMANCE.md). `--no-compile` still compiles the trainer's tiny state-init program, whose output shardings
-are what the trainer keeps.
+are what the trainer keeps; with --compiler tpu it skips the memory programs but still makes the prediction (its
+cost variants are compiled at 1 and 2 layers, whatever the depth), the quick way to a prediction of a deep model.
 """
 
 from __future__ import annotations
@@ -79,7 +82,8 @@ def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                              "when libtpu is installed); cpu: XLA:CPU on --devices simulated devices")
     parser.add_argument("--topology", default="", help="TPU slice shape, e.g. 2x4x4 (v5p-64) or 4x4 (v5e-16)")
     parser.add_argument("--layers", type=int, default=0, help="compile N and N+1 layers, extrapolate to full depth")
-    parser.add_argument("--no-compile", action="store_true", help="analytic bytes only (no activations)")
+    parser.add_argument("--no-compile", action="store_true", help="analytic bytes only (no activations); with "
+                        "--compiler tpu the prediction is still made unless --no-predict")
     parser.add_argument("--no-predict", action="store_true", help="with --compiler tpu: memory only, no roofline")
     parser.add_argument("--json", default="", help="write the report as one JSON line to this file ('-': stdout)")
     args = parser.parse_args([a for a in argv if not a.startswith("--config.")])
@@ -151,9 +155,9 @@ def compile_programs(cfg, config, mesh, rules, shapes) -> dict[str, dict[str, in
         # the trainer runs no-grad passes train.logprob_rows rows at a time
         ref_rows = min(shapes.step_rows, config.train.logprob_rows or shapes.step_rows)
         lowered = {
-            "train_step": pp.lower_train_step(cfg, config, state, tx, schedule,
+            "train_step": pp.lower_train_step(cfg, config, state, ref, tx, schedule,
                                               pp.abstract_batch(config, shapes, shapes.update_rows, mesh)),
-            "sampler": pp.lower_sampler(cfg, config, state["params"], shapes, mesh),
+            "sampler": pp.lower_sampler(cfg, config, pp.policy_params(config, state, ref), shapes, mesh),
             "ref_logprobs": pp.lower_ref_logprobs(cfg, config, ref, pp.abstract_batch(config, shapes, ref_rows, mesh),
                                                   shapes),
         }
@@ -199,13 +203,16 @@ def opt_bytes_if_sharded_like_params(opt_state, params) -> int:
 
 def analytic(cfg, config, mesh, rules, shapes) -> tuple[dict[str, int], list[str]]:
     from sage_jax import sharding
-    from sage_jax.plan_programs import abstract_batch, abstract_state, tree_bytes
+    from sage_jax.plan_programs import abstract_batch, abstract_state, lora_config, tree_bytes
     with sharding.use_rules(rules):
         state, ref, _, _ = abstract_state(cfg, config, mesh, rules)
     batch = abstract_batch(config, shapes, shapes.step_rows, mesh)
     kv, kv_sharded = kv_cache_bytes(cfg, shapes, mesh, rules)
+    # LoRA: the trained params are the adapters, and the frozen base is the reference (one copy, counted as base)
+    lora = lora_config(config) is not None
     out = {"params": tree_bytes(state["params"]), "opt_state": tree_bytes(state["opt_state"]) + tree_bytes(
-        state["step"]), "ref_params": tree_bytes(ref), "kv_cache": kv, "step_batch": tree_bytes(batch),
+        state["step"]), "ref_params": 0 if lora else tree_bytes(ref), "base_params": tree_bytes(ref) if lora else 0,
+        "kv_cache": kv, "step_batch": tree_bytes(batch),
         "opt_state_if_sharded": opt_bytes_if_sharded_like_params(state["opt_state"], state["params"])}
     # Parts of the step's batch that stay on device while the reference pass runs (tokens / mask are its inputs).
     out["batch_besides_ref_inputs"] = tree_bytes({k: v for k, v in batch.items() if k not in (
@@ -269,6 +276,8 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
     static, warnings = analytic(cfg, config, mesh, rules, shapes)
     programs, measured = _compile_all(cfg, config, mesh, rules, shapes, layers) if do_compile else ({}, {})
     state = static["params"] + static["opt_state"]
+    # With LoRA every program takes the frozen base as an argument, so only full fine-tuning's reference copy and
+    # what the program does not take count as resident beside it.
     resident = {"train_step": static["ref_params"] + (static["step_batch"] if config.optim.mini_batches > 1 else 0),
                 "sampler": static["opt_state"] + static["ref_params"],
                 "ref_logprobs": state + static["batch_besides_ref_inputs"]}
@@ -276,14 +285,14 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
     if do_compile:
         phases = {k: programs[k]["peak"] + resident[k] for k in PROGRAMS if k not in oom}
     else:  # lower bounds: what must be resident, without any activations
-        phases = {"train_step": state + static["ref_params"] + static["step_batch"],
-                  "sampler": state + static["ref_params"] + static["kv_cache"],
-                  "ref_logprobs": state + static["ref_params"] + static["step_batch"]}
+        held = state + static["base_params"] + static["ref_params"]
+        phases = {"train_step": held + static["step_batch"], "sampler": held + static["kv_cache"],
+                  "ref_logprobs": held + static["step_batch"]}
     warnings += [f"{k}: XLA:TPU cannot fit it in HBM: {msg}" for k, msg in oom.items()]
     peak_phase = max(phases, key=phases.get) if phases else next(iter(oom))
     memory = round(memory_gb * GB)
     prediction = None
-    if compiler == "tpu" and do_compile and predict and not oom:
+    if compiler == "tpu" and predict and not oom:
         from sage_jax import roofline
         t0 = time.perf_counter()
         costs = roofline.measure_costs(cfg, config, mesh, rules, shapes)
@@ -295,7 +304,8 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
         "mesh": dict(mesh.shape), "memory_bytes": memory,
         "model": {"source": source, "num_layers": cfg.num_layers, "num_params": cfg.num_params,
                   "param_dtype": cfg.param_dtype, "compute_dtype": cfg.compute_dtype,
-                  "ref_dtype": config.model.ref_dtype, "remat": cfg.remat, "compiled_layers": list(measured)},
+                  "ref_dtype": config.model.ref_dtype, "remat": cfg.remat, "compiled_layers": list(measured),
+                  "lora": plan_programs.lora_summary(cfg, config)},
         "shapes": dataclasses.asdict(shapes) | {"seq_len": shapes.seq_len, "cache_len": shapes.cache_len},
         "analytic": static, "programs": programs, "measured": measured, "resident": resident, "phases": phases,
         "peak_phase": peak_phase, "peak_bytes": peak, "lower_bound": not do_compile,
@@ -321,10 +331,13 @@ def format_report(r: dict[str, Any]) -> str:
     where = (f"{r['devices']} simulated CPU devices, compiled by XLA:CPU (jax {c['jax']})" if c["name"] == "XLA:CPU"
              else f"{c['topology']} ({r['devices']} x {c['device_kind']}, abstract), compiled by XLA:TPU (libtpu "
                   f"{c['libtpu']}, jax {c['jax']})")
+    lora = m.get("lora")
+    trained = (f"LoRA rank {lora['rank']} on {','.join(lora['targets'])}: {lora['adapter_params'] / 1e6:.1f}M "
+               "adapter params trained, the frozen base is the reference" if lora else "full fine-tuning")
     lines = [
         f"memory plan: {r['config']} on {where}, mesh {mesh}",
         f"model: {m['source']}: {m['num_params'] / 1e9:.2f}B params, {m['num_layers']} layers{depth}; params "
-        f"{m['param_dtype']}, compute {m['compute_dtype']}, reference {m['ref_dtype']}, remat={m['remat']}",
+        f"{m['param_dtype']}, compute {m['compute_dtype']}, reference {m['ref_dtype']}, remat={m['remat']}; {trained}",
         f"train_step: {s['update_rows']} rows per update = {s['grad_accum']} micro-batch(es) of "
         f"{s['update_rows'] // s['grad_accum']} ({s['update_rows'] // s['grad_accum'] / s['dp']:g} per data-parallel "
         f"device), {s['seq_len']} tokens = prompt {s['prompt_len']} + completion {s['completion_len']}",
@@ -333,10 +346,11 @@ def format_report(r: dict[str, Any]) -> str:
         f"{s['cache_len']} slots; ref_logprobs: {s['step_rows']} rows",
         "",
         "per device (analytic, from shardings)",
-        f"  parameters          {_fmt(a['params']):>12}",
+        f"  trained params      {_fmt(a['params']):>12}" + ("   (the adapters)" if lora else ""),
         f"  optimizer state     {_fmt(a['opt_state']):>12}   ({_fmt(a['opt_state_if_sharded'])} if sharded like the "
         "params)",
-        f"  reference params    {_fmt(a['ref_params']):>12}",
+        *([f"  frozen base         {_fmt(a['base_params']):>12}   (also the reference: no second copy)"] if lora
+          else [f"  reference params    {_fmt(a['ref_params']):>12}"]),
         f"  KV cache (rollout)  {_fmt(a['kv_cache']):>12}   (inside the sampler's temp)",
         f"  step batch          {_fmt(a['step_batch']):>12}",
     ]

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sage_jax import model as model_lib, objectives, sampler, sharding, train_state, trainer
+from sage_jax import lora, model as model_lib, objectives, sampler, sharding, train_state, trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,19 +82,61 @@ def _abstract_outputs(fn, *args):
                         jax.eval_shape(fn, *args), shardings)
 
 
+def lora_config(config) -> lora.LoraConfig | None:
+    return lora.LoraConfig.from_config(config.model.lora)
+
+
+def lora_summary(cfg, config) -> dict[str, Any] | None:
+    lcfg = lora_config(config)
+    if lcfg is None:
+        return None
+    return {"rank": lcfg.rank, "alpha": lcfg.alpha, "targets": list(lcfg.targets),
+            "adapter_params": lora.num_params(cfg, lcfg)}
+
+
 def abstract_state(cfg, config, mesh, rules):
-    """(state, reference params, tx, schedule) laid out as trainer.run_rl lays them out, without any weights."""
+    """(state, reference params, tx, schedule) laid out as trainer.setup_rl lays them out, without any weights.
+
+    With LoRA (config.model.lora.rank > 0) the state trains only the adapters, and the reference is the frozen base
+    itself: the one copy of the weights, which the train step and the sampler also take (see policy_params)."""
     shapes = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))
-    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
-                          model_lib.param_shardings(cfg, mesh, rules))
+    base = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
+                        model_lib.param_shardings(cfg, mesh, rules))
+    lcfg = lora_config(config)
+    params, trained_sh = base, None
+    if lcfg is not None:
+        trained_sh = lora.shardings(cfg, lcfg, mesh, rules)
+        params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                              jax.eval_shape(lambda: lora.random_adapters(cfg, lcfg, jax.random.key(0))), trained_sh)
     optim = config.optim
     tx, schedule = train_state.make_optimizer(optim, config.train.steps * optim.num_iterations * optim.mini_batches)
-    shardings = train_state.state_shardings(params, tx, cfg, mesh, rules)
+    shardings = train_state.state_shardings(params, tx, cfg, mesh, rules, trained_sh)
     state = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                          jax.eval_shape(lambda p: train_state.init_state(p, tx), params), shardings)
+    if lcfg is not None:
+        return state, base, tx, schedule
     ref_dtype = config.model.ref_dtype
     ref = _abstract_outputs(jax.jit(lambda p: jax.tree.map(lambda x: x.astype(ref_dtype), p)), state["params"])
     return state, ref, tx, schedule
+
+
+def policy_params(config, state, ref):
+    """The params the sampler and the policy's own passes run with: the trained params, or with LoRA the base with
+    the adapters on (lora.apply, which only places the scaled adapters beside the base weights: every leaf keeps an
+    input's shape and sharding)."""
+    lcfg = lora_config(config)
+    if lcfg is None:
+        return state["params"]
+    adapters = state["params"]
+    out = jax.eval_shape(lambda b, a: lora.apply(b, a, lcfg), ref, adapters)
+    sources = {jax.tree_util.keystr(p): x for tree in (ref, adapters) for p, x in jax.tree_util.tree_leaves_with_path(
+        tree)}
+
+    def attach(path, s):
+        key = jax.tree_util.keystr(path)
+        src = sources.get(key) or next(x for k, x in sources.items() if key.endswith(k) and x.shape == s.shape)
+        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=src.sharding)
+    return jax.tree_util.tree_map_with_path(attach, out)
 
 
 def abstract_batch(config, shapes: Shapes, rows: int, mesh) -> dict[str, Any]:
@@ -116,11 +158,15 @@ def abstract_batch(config, shapes: Shapes, rows: int, mesh) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------------------------------- programs
 
-def lower_train_step(cfg, config, state, tx, schedule, batch, grad_accum: int | None = None):
+def lower_train_step(cfg, config, state, ref, tx, schedule, batch, grad_accum: int | None = None):
+    """The update as trainer.setup_rl builds it; with LoRA it also takes the frozen base (ref) as an argument."""
     grad_accum = config.optim.grad_accum if grad_accum is None else grad_accum
+    lcfg = lora_config(config)
+    base_sh = None if lcfg is None else jax.tree.map(lambda x: x.sharding, ref)
     step = train_state.make_train_step(cfg, trainer.loss_config(config), tx, schedule, config.seed, grad_accum,
-                                   jax.tree.map(lambda x: x.sharding, state))
-    return step.lower(state, batch)
+                                       jax.tree.map(lambda x: x.sharding, state), lora_cfg=lcfg,
+                                       base_shardings=base_sh)
+    return step.lower(state, batch) if lcfg is None else step.lower(state, batch, ref)
 
 
 def needs_old_logprobs(config) -> bool:
@@ -197,8 +243,10 @@ def memory_stats(lowered) -> dict[str, int]:
 # --------------------------------------------------------------------------------------------------- cost variants
 
 def cost_variant(cfg, num_layers: int):
-    """cfg with nothing looped that the cost analysis could count once: layers unrolled, the logits in one chunk."""
-    return cfg.replace(num_layers=num_layers, scan_layers=False, logits_chunk=1 << 30)
+    """cfg with nothing looped that the cost analysis could count once: layers unrolled, the logits in one chunk, and
+    attention as one masked product (blockwise attention loops over key blocks; it also skips the blocks above the
+    diagonal, so this counts up to 2x the causal attention FLOPs, while the projections and MLP are exact)."""
+    return cfg.replace(num_layers=num_layers, scan_layers=False, logits_chunk=1 << 30, attention="naive")
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_samples", "new_bucket"))
@@ -246,20 +294,21 @@ def cost_lowerers(cfg, config, mesh, rules, shapes: Shapes, state, ref, tx, sche
             sh = NamedSharding(mesh, PartitionSpec())
         return [(jax.ShapeDtypeStruct(shape, dt, sharding=sh),) * 2 for _ in range(cfg.num_layers)]
 
+    policy = policy_params(config, state, ref)
     lowerers = {
-        "train_step": lambda r: lower_train_step(cfg, config, state, tx, schedule,
+        "train_step": lambda r: lower_train_step(cfg, config, state, ref, tx, schedule,
                                                  abstract_batch(config, shapes, r, mesh), grad_accum=1),
         "ref_logprobs": lambda r: lower_ref_logprobs(cfg, config, ref, abstract_batch(config, shapes, r, mesh), shapes),
-        "prefill": lambda r: prefill_program.lower(cfg, state["params"], arg((r, P), jnp.int32),
+        "prefill": lambda r: prefill_program.lower(cfg, policy, arg((r, P), jnp.int32),
                                                    arg((r, P), jnp.bool_), num_samples=config.rollout.group_size,
                                                    new_bucket=shapes.new_bucket),
         "decode_step": lambda r: decode_step_program.lower(
-            cfg, sampler_plan(cfg, config, shapes, mesh), state["params"], arg((r,), jnp.int32), cache(r),
+            cfg, sampler_plan(cfg, config, shapes, mesh), policy, arg((r,), jnp.int32), cache(r),
             arg((r, S), jnp.bool_), arg((), jnp.int32), f32, f32, f32, key),
     }
     if needs_old_logprobs(config):
-        lowerers["old_logprobs"] = lambda r: lower_logprobs(cfg, config, state["params"],
-                                                            abstract_batch(config, shapes, r, mesh), shapes)
+        lowerers["old_logprobs"] = lambda r: lower_logprobs(cfg, config, policy, abstract_batch(config, shapes, r, mesh),
+                                                            shapes)
     return lowerers
 
 
@@ -274,8 +323,19 @@ def cost_stats(lowered) -> dict[str, float]:
     compiled = lowered.compile()
     ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-    hlo = compiled.as_text()
     return {"flops": float(ca.get("flops", 0.0)), "bytes": float(ca.get("bytes accessed", 0.0)),
-            "optimal_seconds": float(ca.get("optimal_seconds", 0.0)),
-            "loops": float(len(re.findall(r"\bwhile\(", hlo))),
-            "kernels": float(hlo.count('custom_call_target="tpu_custom_call"'))}
+            "optimal_seconds": float(ca.get("optimal_seconds", 0.0)), **_loops_and_kernels(lowered, compiled)}
+
+
+def _loops_and_kernels(lowered, compiled) -> dict[str, float]:
+    """While loops and Pallas TPU kernels in the optimised HLO; in the program as lowered (StableHLO, before XLA
+    may unroll a loop: the safe side) when libtpu cannot print its optimised module, as for some 7B programs whose
+    async collectives its HLO printer rejects (a RET_CHECK on an async-update's operands)."""
+    try:
+        hlo = compiled.as_text()
+        return {"loops": float(len(re.findall(r"\bwhile\(", hlo))),
+                "kernels": float(hlo.count('custom_call_target="tpu_custom_call"'))}
+    except jax.errors.JaxRuntimeError:
+        mlir = lowered.as_text()
+        return {"loops": float(len(re.findall(r"\bstablehlo\.while\b", mlir))),
+                "kernels": float(len(re.findall(r"custom_call @tpu_custom_call\b", mlir)))}

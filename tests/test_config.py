@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from sage_jax import config as config_lib
@@ -93,3 +95,30 @@ def test_loss_defaults_have_one_source():
     assert dataclasses.replace(loss, guide=dataclasses.replace(loss.guide, schedule_steps=1000)) == \
         objectives.LossConfig(guide=guides.GuideConfig(schedule_steps=1000))
     assert set(c.loss) == set(objectives.loss_defaults())
+
+
+def _parse_cli(tmp_path, *overrides):
+    from sage_jax import cli
+    return cli.parse(["--config", "configs/tiny_test.py", "--workdir", str(tmp_path / "w"), *overrides], "test")[0]
+
+
+def test_tuple_overrides_parse_unquoted_through_the_cli(tmp_path):
+    c = _parse_cli(tmp_path, "--config.model.lora.targets=q_proj,v_proj", "--config.eval.ks=1,2",
+                   "--config.mesh.shape=(1, -1, 1)")
+    assert c.model.lora.targets == ("q_proj", "v_proj")
+    assert c.eval.ks == (1, 2) and c.mesh.shape == (1, -1, 1)
+    assert _parse_cli(tmp_path, "--config.model.lora.targets=o_proj").model.lora.targets == ("o_proj",)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--config.model.lora.targets=q_proj,vproj", r"model\.lora\.targets=\('q_proj', 'vproj'\): must be HF module"),
+    ("--config.eval.ks=1,two", r"eval\.ks=1,two: expected int items such as 1,4 \(bad: 'two'\)"),
+    ("--config.eval.ks=(1,", r"eval\.ks=\(1,: not a valid tuple"),
+])
+def test_a_bad_tuple_override_is_one_clear_error(tmp_path, capsys, override, message):
+    from sage_jax import cli
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main_guard(lambda: _parse_cli(tmp_path, override) and 0)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err

@@ -41,7 +41,9 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("plan")
     procs = {"plan": _plan_cli("--chip", "v4", "--json", str(tmp / "plan.json")),
              "layers": _plan_cli("--layers", "1", "--memory-gb", "0.000001", "--json", str(tmp / "layers.json")),
-             "independent": _start(["-c", INDEPENDENT])}
+             "independent": _start(["-c", INDEPENDENT]),
+             "lora": _plan_cli("--chip", "v4", "--config.model.lora.rank=1", "--config.model.lora.alpha=2",
+                               "--json", str(tmp / "lora.json"))}
     done = {name: _finish(p) for name, p in procs.items()}
     return done, tmp
 
@@ -141,6 +143,24 @@ def test_layers_extrapolation_and_verdict_flip(report, runs):
     assert small["programs"] == report["programs"]  # 1 and 2 layers extrapolated to the full 2 are exact
 
 
+def test_lora_plan_trains_only_the_adapters_and_holds_one_copy_of_the_weights(report, runs):
+    done, tmp = runs
+    proc = done["lora"]
+    assert proc.returncode == 0, proc.stderr
+    assert "frozen base" in proc.stdout and "no second copy" in proc.stdout
+    lora, full = json.loads((tmp / "lora.json").read_text())["analytic"], report["analytic"]
+    r = json.loads((tmp / "lora.json").read_text())
+    assert r["model"]["lora"]["rank"] == 1 and report["model"]["lora"] is None
+    assert lora["params"] + lora["opt_state"] < (full["params"] + full["opt_state"]) / 4  # adapters + moments
+    assert lora["ref_params"] == 0 < full["ref_params"]  # the reference is the base itself
+    assert lora["base_params"] == full["params"] and full["base_params"] == 0  # tiny_test's params are fp32 either way
+    train = r["programs"]["train_step"]
+    # the compiled update takes the frozen base and the adapters' state, and is smaller than the full one's inputs
+    assert train["argument"] >= lora["base_params"] + lora["params"] + lora["opt_state"]
+    assert train["argument"] < report["programs"]["train_step"]["argument"]
+    assert r["resident"]["train_step"] == 0 and r["resident"]["sampler"] == lora["opt_state"]
+
+
 def test_mesh_that_does_not_fit_the_devices_is_a_clear_error():
     proc = _finish(_plan_cli("--no-compile", "--config.mesh.shape=3,1,1"))
     assert proc.returncode == 2
@@ -155,6 +175,21 @@ def test_no_compile_mode_in_process():
     assert r["programs"] == {} and r["lower_bound"] and r["fits"]
     assert r["phases"]["sampler"] == a["params"] + a["opt_state"] + a["ref_params"] + a["kv_cache"]
     assert "at least" in plan.format_report(r)
+
+
+def test_no_compile_with_the_tpu_compiler_still_predicts(monkeypatch):
+    """--no-compile --compiler tpu: no memory program is compiled, the prediction's cost variants still are."""
+    import jax
+    from sage_jax import config as config_lib
+    cost = {"flops": 1e9, "bytes": 1e6, "optimal_seconds": 0.0, "loops": 0.0, "kernels": 0.0}
+    asked = []
+    monkeypatch.setattr(plan, "_devices", lambda *a: (jax.devices()[:8], 8, {"name": "XLA:TPU", "libtpu": "x",
+                        "jax": jax.__version__, "topology": "v5p:2x2x2", "device_kind": "TPU v5"}))
+    monkeypatch.setattr(plan, "compile_programs", lambda *a: pytest.fail("compiled a memory program"))
+    monkeypatch.setattr(roofline, "measure_costs", lambda *a: asked.append(a) or {"train_step": dict(cost)})
+    r = plan.run(config_lib.load(TINY), do_compile=False, compiler="tpu", topology="2x2x2", config_name=TINY)
+    assert r["programs"] == {} and r["lower_bound"] and len(asked) == 1
+    assert r["prediction"]["programs"]["train_step"]["flops"] == 1e9
 
 
 def test_simulate_devices_refuses_more_devices_than_the_process_has():
@@ -304,6 +339,37 @@ def test_pallas_splash_attention_compiles_for_tpu_forward_and_backward():
     stats = plan_programs.cost_stats(grads.lower(*qkv))
     assert stats["kernels"] >= 3  # forward, dq and dkv kernels
     assert stats["flops"] < 2 * 2 * H * T * T * D  # far below even the forward's matmuls: kernels are not counted
+
+
+def test_cost_stats_counts_loops_in_the_lowered_program_when_the_compiled_one_cannot_be_printed():
+    """libtpu's HLO printer rejects some 7B programs (a RET_CHECK): the cost still comes back, loops counted from the
+    lowered StableHLO."""
+    import jax
+    import jax.numpy as jnp
+    from sage_jax import plan_programs
+
+    class Unprintable:
+        def __init__(self, compiled):
+            self.compiled = compiled
+
+        def cost_analysis(self):
+            return self.compiled.cost_analysis()
+
+        def as_text(self):
+            raise jax.errors.JaxRuntimeError("INTERNAL: RET_CHECK failure")
+
+    lowered = jax.jit(lambda x: jax.lax.fori_loop(0, x.shape[0] + x.sum().astype(jnp.int32), lambda i, c: c @ c,
+                                                  x)).lower(jnp.ones((8, 8)))
+    printable = plan_programs.cost_stats(lowered)
+
+    class Lowered:
+        def compile(self):
+            return Unprintable(lowered.compile())
+
+        def as_text(self):
+            return lowered.as_text()
+    fallback = plan_programs.cost_stats(Lowered())
+    assert fallback == printable and fallback["loops"] == 1 and fallback["kernels"] == 0
 
 
 def test_bilinear_extrapolation_is_exact_for_a_bilinear_cost():
