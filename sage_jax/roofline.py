@@ -157,7 +157,7 @@ def roofline(flops: float, bytes_accessed: float, chip: Chip, chips_per_device: 
 def predict(costs: dict[str, dict[str, float]], cfg, config, shapes, chip_name: str, chips: int,
             devices: int) -> dict[str, Any]:
     """The RL step as the sum of its programs' rooflines, its throughput and the whole run's wall time."""
-    from sage_jax import bench_train
+    from sage_jax.bench import flops as bench_flops
     chip, ro, optim = CHIPS[chip_name], config.rollout, config.optim
     rows = call_rows(config, shapes)
     passes = math.ceil(shapes.step_rows / rows["ref_logprobs"])
@@ -171,9 +171,9 @@ def predict(costs: dict[str, dict[str, float]], cfg, config, shapes, chip_name: 
     step_s = sum(p["step_s"] for p in programs.values())
     P, C = shapes.prompt_len, shapes.completion_len
     no_grad_passes = passes * sum(name in costs for name in ("ref_logprobs", "old_logprobs"))
-    model_flops = (calls["train_step"] * bench_train.train_flops(cfg, rows["train_step"], P, C)
-                   + no_grad_passes * bench_train.train_flops(cfg, rows["ref_logprobs"], P, C) / 3  # forward only
-                   + bench_train.decode_flops(cfg, ro.prompts_per_step, ro.group_size, config.data.max_prompt_len,
+    model_flops = (calls["train_step"] * bench_flops.train_flops(cfg, rows["train_step"], P, C)
+                   + no_grad_passes * bench_flops.train_flops(cfg, rows["ref_logprobs"], P, C) / 3  # forward only
+                   + bench_flops.decode_flops(cfg, ro.prompts_per_step, ro.group_size, config.data.max_prompt_len,
                                               ro.max_new_tokens))
     compiled_flops = devices * sum(p["flops"] * p["calls"] for p in programs.values())
     peak = chips * chip.bf16_flops
