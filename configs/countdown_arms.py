@@ -88,10 +88,10 @@ SEEDS_PER_ARM = {"grpo": 10, "grpo_branch": 10, "grpo_rkl": 10, "grpo_branch_pap
                  "grpo_token": 5, "grpo_random": 5, "grpo_entropy": 5, "grpo_top_entropy": 5, "grpo_kl_cov": 5}
 
 # The study's shared regime, frozen from `python -m sage_jax.experiments.regime` (its selected row) before any arm
-# runs, and never changed after a guide's results are seen. Frozen on 2026-12-01: "round1" (no overrides: the study
-# budget as above), the cheapest candidate GRPO sharpens in on the RL prompts (docs/results/regime.md).
+# runs, and never changed after a guide's results are seen. Frozen on 2026-12-01 to the selected candidate "round1"
+# (no overrides: the study budget as above), the cheapest one GRPO sharpens in on the RL prompts
+# (docs/results/regime.md, regime.json's "selected").
 REGIME: dict[str, Any] = {}
-REGIME_SELECTED = "round1"
 
 # What the regime search tries, GRPO only: the shared settings and why each is a candidate.
 REGIME_CANDIDATES: dict[str, tuple[dict[str, Any], str]] = {

@@ -250,3 +250,11 @@ def test_regime_verdicts():
     assert "includes 0" in regime.verdict(base, [run(0.20, 1.2), run(0.60, 1.3), run(0.40, 1.2)], 8)["reason"]
     assert "no collapse" in regime.verdict(base, [run(0.40, 1.6), run(0.41, 1.7), run(0.42, 1.6)], 8)["reason"]
     assert "one seed" in regime.verdict(base, [run(0.40, 1.2)], 8)["reason"]
+
+
+def test_a_primary_split_that_is_never_evaluated_fails_before_any_training(tmp_path):
+    from sage_jax.experiments import regime
+    with pytest.raises(ValueError, match="primary_split='countdown_rl' is not evaluated"):
+        regime.main(["--out", str(tmp_path / "r.md"), "--work", str(tmp_path / "work"), "--tiny", "--seeds", "2",
+                     "--candidates", "round1", "--config.experiment.rl_eval_problems=0"])
+    assert not (tmp_path / "work").exists()

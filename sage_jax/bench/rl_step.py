@@ -5,8 +5,8 @@
 
 Both sides generate the same completion lengths (workload "fixed": every row runs to --new-tokens; "longtail":
 workloads.longtail_lengths), forced so that the step's work does not depend on what the random weights sample: our
-CollectFn samples the full length and cuts each row (EOS at its end unless it runs to the limit), TRL's generate is
-forced by a logits processor. Only tokens before EOS count as generated. The steps are interleaved (ours after each
+CollectFn stops each row's sampling at its forced length (as the trainer's rows stop at EOS) and ends it with EOS
+unless it runs to the limit, TRL's generate is forced by a logits processor. Only tokens before EOS count as generated. The steps are interleaved (ours after each
 TRL step, then the matmul peak under the same load) and the first step of each side is left out as warm-up.
 """
 
@@ -51,8 +51,8 @@ def forced_rollout(out, lengths_N: np.ndarray, eos_id: int) -> dict[str, np.ndar
 def forced_length_collect(cfg: model.ModelConfig, prompts_BxP: np.ndarray, group: int, lengths_N: np.ndarray,
                           seed: int, marks: list[float]) -> trainer.CollectFn:
     """rl_step's CollectFn for the benchmark: `group` samples per prompt from the policy (temperature 1, EOS
-    ignored, each row stopped at its forced length), cut to lengths_N and scored by ids_reward. Appends the time after sampling and after scoring to
-    `marks`."""
+    ignored, each row stopped at its forced length), cut to lengths_N and scored by ids_reward. Appends the time
+    after sampling and after scoring to `marks`."""
     prompts = prompts_BxP.tolist()
     new_tokens = int(lengths_N.max())
     row_limits = [int(n) for n in lengths_N]

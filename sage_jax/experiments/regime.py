@@ -70,6 +70,11 @@ def search(names: Sequence[str], budget: str, seeds: int, overrides: Sequence[st
     out = {}
     for name in names:
         config = candidate_config(name, budget, overrides)
+        split, n = config.experiment.primary_split, int(config.eval.n)
+        if not reproduce.eval_sizes(config).get(split):  # before any training: a split that is never evaluated
+            evaluated = [s for s, size in reproduce.eval_sizes(config).items() if size]
+            raise ValueError(f"experiment.primary_split={split!r} is not evaluated: choose one of "
+                             f"{', '.join(evaluated)} (countdown_rl needs experiment.rl_eval_problems > 0)")
         fp = reproduce.fingerprint(config, reproduce.BASE_SECTIONS)
         if fp not in bases:
             sft_task, rl_task = reproduce.split_task(tasks.build(config), config.experiment.sft_problems)
@@ -89,10 +94,6 @@ def search(names: Sequence[str], budget: str, seeds: int, overrides: Sequence[st
         base = summarize_run(base_record)
         settings, why = mod.REGIME_CANDIDATES[name]
         cost = config.train.steps * config.rollout.prompts_per_step * config.rollout.group_size
-        split, n = config.experiment.primary_split, int(config.eval.n)
-        if f"{split}/pass@1" not in base:
-            raise ValueError(f"experiment.primary_split={split!r} is not evaluated: choose one of "
-                             f"{', '.join(reproduce.eval_sets(rl_task, config))}")
         held_out = mean_ci([r["countdown/pass@1"] - base["countdown/pass@1"] for r in runs])
         out[name] = {"settings": settings, "why": why, "rollouts": cost, "base_fingerprint": fp, "split": split,
                      "base_pass@1": base[f"{split}/pass@1"], "base_distinct": base[f"{split}/distinct"],
