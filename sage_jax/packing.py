@@ -22,10 +22,12 @@ average the same way; token-mean divides by the whole batch's count, objectives.
 Which rows share a slice is chosen for balance, not kept contiguous: few rows per slice (a 7B step has 4-8 per
 device and micro-batch) packed on their own would leave most of a fixed-width row empty. Rows go to slices longest
 first, each to the least-filled slice with a free slot (`row_groups`: within each mini-batch), then one row length
-L and row count R for all slices is chosen from a grid (multiples of a power-of-two granule, and the padded width)
-to minimise S * R * L, subject to R * L <= n * T and R * L^2 <= n * T^2 for padded width T: a slice never computes
-more positions or attention scores than the n padded rows it replaces, so the padded layout's memory plan bounds
-it, and the shapes (hence compiled programs) come from a finite set per padded width. Where even so most positions
+L and row count R for all slices is chosen from a grid (the padded width, and a power-of-two granule times a
+`bucket`ed count; R itself is bucketed: eight values per octave, so a run's steps share a few shapes instead of
+compiling a new one whenever a step packs into one more row) to minimise S * R * L, subject to R * L <= n * T
+and R * L^2 <= n * T^2 for padded width T: a slice never computes more positions or attention scores than the n
+padded rows it replaces, so the padded layout's memory plan bounds it, and the shapes (hence compiled programs)
+come from a small finite set per padded width. Where even so most positions
 would be padding (every slice must fit the longest sequence), pack may use fewer slices, i.e. fewer and fuller
 micro-batches (slice_options, micro_batches), under the same per-slice bound.
 """
@@ -91,12 +93,21 @@ def granule(width: int) -> int:
     return max(MIN_GRANULE, 1 << max(0, (width // 16).bit_length() - 1))
 
 
+def bucket(x: int) -> int:
+    """The smallest m * 2^e >= x with 8 <= m < 16 (every integer up to 16): eight steps per octave, so rounding up
+    adds at most 1/8, and a run's steps, whose packed row counts differ by a few rows, share a few shapes (one
+    compiled program each) instead of one shape per new count."""
+    e = max(0, int(x).bit_length() - 4)
+    return -(-int(x) >> e) << e if e else int(x)
+
+
 def row_len_candidates(longest: int, width: int, n: int) -> list[int]:
-    """Packed row lengths to try: the padded width and the granule's multiples from `longest` up to sqrt(n) * width
+    """Packed row lengths to try: the padded width and granule * bucket(k) from `longest` up to sqrt(n) * width
     (past that one row alone would hold more attention scores than n padded rows)."""
     g = granule(width)
     top = int(np.sqrt(n) * width)
-    return sorted({width} | set(range(-(-longest // g) * g, top + 1, g)))
+    multiples = {bucket(k) for k in range(-(-longest // g), top // g + 1)}
+    return sorted({width} | {g * k for k in multiples if g * k <= top})
 
 
 def layout(seq_lens: np.ndarray, slices: int, width: int, row_groups: np.ndarray | None = None,
@@ -123,7 +134,7 @@ def layout(seq_lens: np.ndarray, slices: int, width: int, row_groups: np.ndarray
         if best is not None and -(-fullest // L) * L >= best[0]:
             continue  # even a perfect fill of the fullest slice costs no less than the best so far
         places = [_first_fit_decreasing(seq_lens[ix], L) for ix in row_index]
-        R = -(-max(1 + max(b for b, _ in p) for p in places) // rows_multiple) * rows_multiple
+        R = _row_count(max(1 + max(b for b, _ in p) for p in places), N // slices, rows_multiple)
         fits = R * L <= n * width and R * L * L <= n * width * width
         if (fits or row_len or L == width) and (best is None or R * L < best[0]):
             best = (R * L, R, L, places)
@@ -132,6 +143,13 @@ def layout(seq_lens: np.ndarray, slices: int, width: int, row_groups: np.ndarray
     for ix, place in zip(row_index, places):
         row[ix], offset[ix] = np.asarray(place, np.int32).T.reshape(2, -1)
     return Layout(row_index.astype(np.int32), row, offset, R, L)
+
+
+def _row_count(rows: int, slot_rows: int, rows_multiple: int) -> int:
+    """Packed rows per slice: `rows` rounded up to a bucket, but never past the slice's own row count (the padded
+    layout's, itself a fixed shape), then to a multiple of rows_multiple."""
+    R = max(rows, min(bucket(rows), slot_rows))
+    return -(-R // rows_multiple) * rows_multiple
 
 
 def _within(lay: Layout, budget_rows: int, width: int) -> bool:
