@@ -24,6 +24,9 @@ extrapolates linearly to the full depth, a rough estimate (XLA's buffer reuse is
 docs/PERFORMANCE.md). `--no-compile` still compiles the trainer's tiny state-init program, whose output shardings
 are what the trainer keeps; with --compiler tpu it skips the memory programs but still makes the prediction (its
 cost variants are compiled at 1 and 2 layers, whatever the depth), the quick way to a prediction of a deep model.
+Each compiled program's figures are kept in sage_jax.plan_cache (--cache DIR, 'off' to compile everything), keyed
+by its StableHLO text, the compiler and the devices: configs that share a program (the qwen7b_* arms' sampler and
+reference pass) compile it once, and the report lists what came from the cache.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import time
 from typing import Any, Sequence
 
 from sage_jax import roofline
+from sage_jax.plan_report import format_report  # noqa: F401  (public here: plan.format_report)
 
 GB = 1e9
 CHIPS_GB = {**{k: c.hbm_bytes / GB for k, c in roofline.CHIPS.items()}, "h100": 80.0, "h200": 141.0}
@@ -85,6 +89,8 @@ def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--no-compile", action="store_true", help="analytic bytes only (no activations); with "
                         "--compiler tpu the prediction is still made unless --no-predict")
     parser.add_argument("--no-predict", action="store_true", help="with --compiler tpu: memory only, no roofline")
+    parser.add_argument("--cache", default=None, help="compile cache directory (sage_jax.plan_cache; default "
+                        "$SAGE_JAX_PLAN_CACHE or ~/.cache/sage_jax/plan; 'off': compile everything)")
     parser.add_argument("--json", default="", help="write the report as one JSON line to this file ('-': stdout)")
     args = parser.parse_args([a for a in argv if not a.startswith("--config.")])
     if args.compiler == "cpu" and args.devices < 1:
@@ -145,10 +151,11 @@ def resolve_model(config):
 
 # --------------------------------------------------------------------------------------------------- compile
 
-def compile_programs(cfg, config, mesh, rules, shapes) -> dict[str, dict[str, int]]:
-    """memory_analysis() of each program; a program the TPU compiler finds too big for HBM gets {"oom": message}."""
+def compile_programs(cfg, config, mesh, rules, shapes, cache=None) -> dict[str, dict[str, int]]:
+    """memory_analysis() of each program; a program the TPU compiler finds too big for HBM gets {"oom": message}.
+    cache: a plan_cache.Cache (the names it answered are added to cache.hits)."""
     import jax
-    from sage_jax import plan_programs as pp, sharding
+    from sage_jax import plan_cache, plan_programs as pp, sharding
     with sharding.use_rules(rules):  # outside the mesh: optax builds its state template eagerly
         state, ref, tx, schedule = pp.abstract_state(cfg, config, mesh, rules)
     with jax.set_mesh(mesh), sharding.use_rules(rules):
@@ -162,8 +169,11 @@ def compile_programs(cfg, config, mesh, rules, shapes) -> dict[str, dict[str, in
                                                   shapes),
         }
     t0 = time.perf_counter()
-    out = pp.compile_in_parallel(lowered, pp.memory_stats)
-    print(f"  compiled {', '.join(PROGRAMS)} ({cfg.num_layers} layers) in {time.perf_counter() - t0:.1f} s",
+    cache = cache or plan_cache.Cache(None, "")
+    out, hits = plan_cache.measure_all(cache, "memory", lowered, pp.memory_stats, pp.compile_in_parallel)
+    cache.hits += [f"{k} ({cfg.num_layers} layers)" for k in hits]
+    print(f"  compiled {', '.join(k for k in PROGRAMS if k not in hits) or 'nothing'} ({cfg.num_layers} layers) in "
+          f"{time.perf_counter() - t0:.1f} s" + (f"; from the plan cache: {', '.join(hits)}" if hits else ""),
           file=sys.stderr)
     return out
 
@@ -249,32 +259,33 @@ def _devices(compiler: str, chip: str, topology: str, devices: int):
                           "topology": f"{chip}:{topology}", "device_kind": found[0].device_kind}
 
 
-def _compile_all(cfg, config, mesh, rules, shapes, layers: int):
+def _compile_all(cfg, config, mesh, rules, shapes, layers: int, cache):
     """(programs at full depth, what was compiled at which depth)."""
     full = cfg.num_layers
     if layers and layers < full:
-        measured = {n: compile_programs(cfg.replace(num_layers=n), config, mesh, rules, shapes)
+        measured = {n: compile_programs(cfg.replace(num_layers=n), config, mesh, rules, shapes, cache)
                     for n in (layers, layers + 1)}
         a, b = measured.values()
         oom = {k: a[k] if "oom" in a[k] else b[k] for k in PROGRAMS if "oom" in a[k] or "oom" in b[k]}
         return {k: oom.get(k) or extrapolate(a[k], b[k], layers, full) for k in PROGRAMS}, measured
-    programs = compile_programs(cfg, config, mesh, rules, shapes)
+    programs = compile_programs(cfg, config, mesh, rules, shapes, cache)
     return programs, {full: programs}
 
 
 def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: int = 0, do_compile: bool = True,
         config_name: str = "", compiler: str = "cpu", chip: str = "v5p", topology: str = "",
-        predict: bool = True) -> dict[str, Any]:
+        predict: bool = True, cache_dir: str = "off") -> dict[str, Any]:
     """The report: shapes, analytic and compiled per-device bytes, the peak phase and the verdict; with the TPU
-    compiler also the roofline PREDICTION of the run (sage_jax.roofline)."""
-    from sage_jax import plan_programs, sharding
+    compiler also the roofline PREDICTION of the run (sage_jax.roofline). cache_dir: sage_jax.plan_cache's."""
+    from sage_jax import plan_cache, plan_programs, sharding
     found, chips, compiler_info = _devices(compiler, chip, topology, devices)
     mesh = sharding.make_mesh(tuple(config.mesh.shape), devices=found)
+    cache = plan_cache.Cache(cache_dir, plan_cache.compiler_tag(mesh.devices))
     rules = dict(config.mesh.rules)
     cfg, source = resolve_model(config)
     shapes = plan_programs.plan_shapes(config, mesh)
     static, warnings = analytic(cfg, config, mesh, rules, shapes)
-    programs, measured = _compile_all(cfg, config, mesh, rules, shapes, layers) if do_compile else ({}, {})
+    programs, measured = _compile_all(cfg, config, mesh, rules, shapes, layers, cache) if do_compile else ({}, {})
     state = static["params"] + static["opt_state"]
     # With LoRA every program takes the frozen base as an argument, so only full fine-tuning's reference copy and
     # what the program does not take count as resident beside it.
@@ -295,7 +306,7 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
     if compiler == "tpu" and predict and not oom:
         from sage_jax import roofline
         t0 = time.perf_counter()
-        costs = roofline.measure_costs(cfg, config, mesh, rules, shapes)
+        costs = roofline.measure_costs(cfg, config, mesh, rules, shapes, cache=cache)
         print(f"  compiled the cost variants in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         prediction = roofline.predict(costs, cfg, config, shapes, chip, chips, len(found))
     peak = phases.get(peak_phase, 0)
@@ -310,79 +321,8 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
         "analytic": static, "programs": programs, "measured": measured, "resident": resident, "phases": phases,
         "peak_phase": peak_phase, "peak_bytes": peak, "lower_bound": not do_compile,
         "fits": not oom and peak <= memory, "headroom_bytes": memory - peak, "warnings": warnings,
-        "prediction": prediction,
+        "prediction": prediction, "cache": {"dir": cache.directory, "hits": cache.hits},
     }
-
-
-def _fmt(n: int) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
-def format_report(r: dict[str, Any]) -> str:
-    m, s, a = r["model"], r["shapes"], r["analytic"]
-    mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
-    depth = ""
-    if len(m["compiled_layers"]) == 2:
-        depth = f" (compiled at {m['compiled_layers'][0]} and {m['compiled_layers'][1]} layers, extrapolated: rough)"
-    c = r["compiler"]
-    where = (f"{r['devices']} simulated CPU devices, compiled by XLA:CPU (jax {c['jax']})" if c["name"] == "XLA:CPU"
-             else f"{c['topology']} ({r['devices']} x {c['device_kind']}, abstract), compiled by XLA:TPU (libtpu "
-                  f"{c['libtpu']}, jax {c['jax']})")
-    lora = m.get("lora")
-    trained = (f"LoRA rank {lora['rank']} on {','.join(lora['targets'])}: {lora['adapter_params'] / 1e6:.1f}M "
-               "adapter params trained, the frozen base is the reference" if lora else "full fine-tuning")
-    lines = [
-        f"memory plan: {r['config']} on {where}, mesh {mesh}",
-        f"model: {m['source']}: {m['num_params'] / 1e9:.2f}B params, {m['num_layers']} layers{depth}; params "
-        f"{m['param_dtype']}, compute {m['compute_dtype']}, reference {m['ref_dtype']}, remat={m['remat']}; {trained}",
-        f"train_step: {s['update_rows']} rows per update = {s['grad_accum']} micro-batch(es) of "
-        f"{s['update_rows'] // s['grad_accum']} ({s['update_rows'] // s['grad_accum'] / s['dp']:g} per data-parallel "
-        f"device), {s['seq_len']} tokens = prompt {s['prompt_len']} + completion {s['completion_len']}",
-        f"sampler: {s['sampler_prompts']} prompts x {s['sampler_rows'] // s['sampler_prompts']} samples = "
-        f"{s['sampler_rows']} rows ({s['sampler_rows'] // s['dp']} per data-parallel device), KV cache "
-        f"{s['cache_len']} slots; ref_logprobs: {s['step_rows']} rows",
-        "",
-        "per device (analytic, from shardings)",
-        f"  trained params      {_fmt(a['params']):>12}" + ("   (the adapters)" if lora else ""),
-        f"  optimizer state     {_fmt(a['opt_state']):>12}   ({_fmt(a['opt_state_if_sharded'])} if sharded like the "
-        "params)",
-        *([f"  frozen base         {_fmt(a['base_params']):>12}   (also the reference: no second copy)"] if lora
-          else [f"  reference params    {_fmt(a['ref_params']):>12}"]),
-        f"  KV cache (rollout)  {_fmt(a['kv_cache']):>12}   (inside the sampler's temp)",
-        f"  step batch          {_fmt(a['step_batch']):>12}",
-    ]
-    if r["programs"]:
-        lines += ["", "per device (compiled, memory_analysis)   peak = argument + output - alias + temp + code",
-                  f"  {'program':13}" + "".join(f"{h:>11}" for h in
-                                              ("argument", "output", "alias", "temp", "code", "peak", "+resident",
-                                               "phase"))]
-        for name, p in r["programs"].items():
-            if "oom" in p:
-                lines.append(f"  {name:13} does not compile: out of HBM (see the warning)")
-                continue
-            cells = [p[k] for k in ("argument", "output", "alias", "temp", "code", "peak")]
-            cells += [r["resident"][name], r["phases"][name]]
-            lines.append(f"  {name:13}" + "".join(f"{_fmt(c):>11}" for c in cells))
-    else:
-        lines += ["", "no compile: phases below are lower bounds (resident state, batch and KV cache; no activations)"]
-        lines += [f"  {name:13} {_fmt(v):>11}" for name, v in r["phases"].items()]
-    verdict = "fits" if r["fits"] else "DOES NOT FIT"
-    bound = " at least" if r["lower_bound"] else ""
-    oom = [k for k, p in r["programs"].items() if "oom" in p]
-    if oom:
-        lines += ["", f"DOES NOT FIT: XLA:TPU ran out of HBM compiling {', '.join(oom)} (see the warnings)"]
-    else:
-        lines += ["", f"peak{bound} {_fmt(r['peak_bytes'])} per device ({r['peak_phase']}) vs "
-                      f"{_fmt(r['memory_bytes'])}: {verdict}, headroom {_fmt(r['headroom_bytes'])} "
-                      f"({100 * r['headroom_bytes'] / r['memory_bytes']:.0f}%)"]
-    lines += [f"warning: {w}" for w in r["warnings"]]
-    if r.get("prediction"):
-        from sage_jax import roofline
-        lines += ["", roofline.format_prediction(r["prediction"])]
-    return "\n".join(lines)
 
 
 def prepare(args: argparse.Namespace) -> None:
@@ -396,12 +336,12 @@ def prepare(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args, overrides = parse_flags(list(sys.argv[1:] if argv is None else argv))
     prepare(args)
-    from sage_jax import config as config_lib
+    from sage_jax import config as config_lib, plan_cache
     config = config_lib.load(args.config, overrides)
     memory_gb = args.memory_gb or CHIPS_GB[args.chip or "v5p"]
     report = run(config, args.devices, memory_gb, layers=args.layers, do_compile=not args.no_compile,
                  config_name=args.config, compiler=args.compiler, chip=args.chip or "v5p", topology=args.topology,
-                 predict=not args.no_predict)
+                 predict=not args.no_predict, cache_dir=args.cache or plan_cache.default_dir())
     print(format_report(report))
     if args.json:
         line = json.dumps(report)

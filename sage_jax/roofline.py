@@ -113,11 +113,11 @@ def call_rows(config, shapes) -> dict[str, int]:
             "old_logprobs": ref_rows, "train_step": shapes.update_rows}
 
 
-def measure_costs(cfg, config, mesh, rules, shapes, programs=None) -> dict[str, dict[str, float]]:
+def measure_costs(cfg, config, mesh, rules, shapes, programs=None, cache=None) -> dict[str, dict[str, float]]:
     """Per-device cost of one call of each program (or of `programs`) at full depth and its real rows (see the
-    module docstring)."""
+    module docstring); cache: a plan_cache.Cache for the cost variants."""
     import jax
-    from sage_jax import plan_programs as pp, sharding
+    from sage_jax import plan_cache, plan_programs as pp, sharding
     rows = call_rows(config, shapes)
     probes = {name: (shapes.dp, 2 * shapes.dp) if r % shapes.dp == 0 else (1, 2) for name, r in rows.items()}
     if rows["decode_step"] % (2 * shapes.dp) == 0:
@@ -134,7 +134,10 @@ def measure_costs(cfg, config, mesh, rules, shapes, programs=None) -> dict[str, 
                 if programs is None or name in programs:
                     lowered.update({(name, layers, r): lower(r) for r in probes[name]})
     measured: dict[str, dict[tuple[int, int], dict[str, float]]] = {}
-    for (name, layers, r), stats in pp.compile_in_parallel(lowered, pp.cost_stats).items():
+    cache = cache or plan_cache.Cache(None, "")
+    costs, hits = plan_cache.measure_all(cache, "cost", lowered, pp.cost_stats, pp.compile_in_parallel)
+    cache.hits += [f"{name} cost variant ({layers} layers, {r} rows)" for name, layers, r in hits]
+    for (name, layers, r), stats in costs.items():
         measured.setdefault(name, {})[layers, r] = stats
     out = {}
     for name, points in measured.items():

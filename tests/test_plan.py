@@ -20,7 +20,7 @@ FIELDS = ("argument", "output", "alias", "temp", "code")
 
 
 def _start(args) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), SAGE_JAX_PLAN_CACHE="off")  # compile (cache tests: --cache)
     env.pop("XLA_FLAGS", None)  # conftest's flags are for this process; each child sets its own
     return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -39,7 +39,7 @@ def _plan_cli(*args) -> subprocess.Popen:
 def runs(tmp_path_factory):
     """The slow compiles, started together so they share the cores: the plan, its --layers twin, the check."""
     tmp = tmp_path_factory.mktemp("plan")
-    procs = {"plan": _plan_cli("--chip", "v4", "--json", str(tmp / "plan.json")),
+    procs = {"plan": _plan_cli("--chip", "v4", "--json", str(tmp / "plan.json"), "--cache", str(tmp / "cache")),
              "layers": _plan_cli("--layers", "1", "--memory-gb", "0.000001", "--json", str(tmp / "layers.json")),
              "independent": _start(["-c", INDEPENDENT]),
              "lora": _plan_cli("--chip", "v4", "--config.model.lora.rank=1", "--config.model.lora.alpha=2",
@@ -161,6 +161,23 @@ def test_lora_plan_trains_only_the_adapters_and_holds_one_copy_of_the_weights(re
     assert r["resident"]["train_step"] == 0 and r["resident"]["sampler"] == lora["opt_state"]
 
 
+def test_a_second_plan_of_the_same_programs_takes_them_from_the_cache(report, runs):
+    """The same config again with the first plan's --cache: nothing compiled, the same figures; a config whose
+    train step differs (another loss) compiles that program alone."""
+    _, tmp = runs
+    assert report["cache"] == {"dir": str(tmp / "cache"), "hits": []}
+    again = _finish(_plan_cli("--chip", "v4", "--json", str(tmp / "again.json"), "--cache", str(tmp / "cache")))
+    assert again.returncode == 0, again.stderr
+    r = json.loads((tmp / "again.json").read_text())
+    assert r["programs"] == report["programs"] and "from the plan cache" in again.stdout
+    assert sorted(h.split()[0] for h in r["cache"]["hits"]) == sorted(plan.PROGRAMS)
+    other = _finish(_plan_cli("--chip", "v4", "--json", str(tmp / "other.json"), "--cache", str(tmp / "cache"),
+                              "--config.loss.guide=token"))
+    assert other.returncode == 0, other.stderr
+    hits = json.loads((tmp / "other.json").read_text())["cache"]["hits"]
+    assert sorted(h.split()[0] for h in hits) == ["ref_logprobs", "sampler"]
+
+
 def test_mesh_that_does_not_fit_the_devices_is_a_clear_error():
     proc = _finish(_plan_cli("--no-compile", "--config.mesh.shape=3,1,1"))
     assert proc.returncode == 2
@@ -186,7 +203,7 @@ def test_no_compile_with_the_tpu_compiler_still_predicts(monkeypatch):
     monkeypatch.setattr(plan, "_devices", lambda *a: (jax.devices()[:8], 8, {"name": "XLA:TPU", "libtpu": "x",
                         "jax": jax.__version__, "topology": "v5p:2x2x2", "device_kind": "TPU v5"}))
     monkeypatch.setattr(plan, "compile_programs", lambda *a: pytest.fail("compiled a memory program"))
-    monkeypatch.setattr(roofline, "measure_costs", lambda *a: asked.append(a) or {"train_step": dict(cost)})
+    monkeypatch.setattr(roofline, "measure_costs", lambda *a, **k: asked.append(a) or {"train_step": dict(cost)})
     r = plan.run(config_lib.load(TINY), do_compile=False, compiler="tpu", topology="2x2x2", config_name=TINY)
     assert r["programs"] == {} and r["lower_bound"] and len(asked) == 1
     assert r["prediction"]["programs"]["train_step"]["flops"] == 1e9
