@@ -17,6 +17,7 @@ $XDG_CACHE_HOME/sage_jax/plan (~/.cache/sage_jax/plan); "off" turns it off. An u
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 from typing import Any, Callable
@@ -41,8 +42,10 @@ def compiler_tag(devices) -> str:
              "ids " + ",".join(str(d.id) for d in flat), "XLA_FLAGS " + os.environ.get("XLA_FLAGS", ""),
              "LIBTPU_INIT_ARGS " + os.environ.get("LIBTPU_INIT_ARGS", "")]
     if flat[0].platform == "tpu":
-        from sage_jax import roofline
-        parts.append(f"libtpu {roofline.libtpu_version()}")
+        try:
+            parts.append(f"libtpu {importlib.metadata.version('libtpu')}")
+        except importlib.metadata.PackageNotFoundError:
+            parts.append("libtpu not installed")
     return "\n".join(parts)
 
 
