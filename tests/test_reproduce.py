@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from sage_jax.experiments import measure, reproduce, stats, worklist
+from sage_jax.experiments import measure, report, reproduce, stats, worklist
 from sage_jax.rewards import countdown
 
 GOLD = {"numbers": [3, 4, 2], "target": 10}  # solutions: 4*3-2 (sub) and 3*2+4 (add)
@@ -64,6 +64,23 @@ def test_report_flags_a_guide_that_did_not_act():
     assert activity["idle"]["idle_seeds"] == [0, 1]
     table = report._activity_table(results)
     assert "| idle |" in table and "**did not act**" in table.split("| live |")[0]
+
+
+def test_hand_written_reading_and_the_regime_report_are_included_a_level_down(tmp_path):
+    assert report._included(str(tmp_path), report.READING, "Reading") == []
+    (tmp_path / report.READING).write_text("# Title\n\nText.\n\n## Part\n\n```\n# a comment, not a heading\n```\n")
+    head, source, body = report._included(str(tmp_path), report.READING, "Reading")
+    assert head == "## Reading\n" and "reading.md" in source and "Title" not in body
+    assert "### Part" in body and "\n# a comment, not a heading\n" in body
+
+
+def test_caveats_name_only_the_arms_that_ran():
+    from sage_jax.experiments import text
+    config = reproduce.load_config("grpo", "tiny")
+    some = text._caveats(config, 5, "5-10", ["grpo", "grpo_branch"])
+    assert "5-10 seed(s) per arm" in some and "DAPO" not in some and "KL-Cov penalises" not in some
+    assert "DAPO" in text._caveats(config, 5, "5", ["grpo", "dapo"])
+    assert "KL-Cov penalises" in text._caveats(config, 5, "5", ["grpo_kl_cov"])
 
 
 def test_pass_curve_is_the_unbiased_estimator():

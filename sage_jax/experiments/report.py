@@ -242,6 +242,26 @@ def _times_table(meta: Mapping[str, Any]) -> str:
     return _table(["arm", "RL wall s (mean/seed)", "RL CPU s", "median s / RL step", "eval wall s"], rows)
 
 
+READING = "reading.md"  # hand-written, after the results: what they say against the paper (kept across renders)
+REGIME = "regime.md"    # sage_jax.experiments.regime's report, when the study's regime search wrote one here
+
+
+def _included(out_dir: str, name: str, title: str) -> list[str]:
+    """A section holding out_dir/name (its own top heading dropped, its headings moved one level down), or none."""
+    path = os.path.join(out_dir, name)
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().strip().splitlines()
+    if lines and lines[0].startswith("# "):
+        lines = lines[1:]
+    out, code = [], False
+    for line in lines:
+        code ^= line.startswith("```")
+        out.append("#" + line if line.startswith("#") and not code else line)
+    return [f"## {title}\n", f"(from [{name}]({name}))\n", "\n".join(out).strip() + "\n"]
+
+
 def write(out_dir: str, results: Mapping[str, Any]) -> str:
     """RESULTS.md, results.json and the PNGs in out_dir; returns the markdown."""
     os.makedirs(out_dir, exist_ok=True)
@@ -260,8 +280,9 @@ def write(out_dir: str, results: Mapping[str, Any]) -> str:
     share_rows = _share_rows(results, splits[0])
     plots.strategy_shares(share_rows, countdown.STRATEGIES, os.path.join(out_dir, "strategy_shares.png"),
                           f"strategy of correct samples, {SPLIT_NAMES.get(splits[0], splits[0])}")
-    md = [f"# SAGE on countdown: {len(agg)} arms × {meta['seeds']} seed(s), budget `{meta['budget']}`\n",
-          meta["description"] + "\n", "## Commands\n", "```\n" + "\n".join(meta["commands"]) + "\n```\n",
+    md = [f"# SAGE on countdown: {len(agg)} arms × {meta.get('seeds_text', meta['seeds'])} seed(s), budget "
+          f"`{meta['budget']}`\n", meta["description"] + "\n", *_included(out_dir, READING, "Reading"),
+          *_included(out_dir, REGIME, "Regime, chosen on GRPO alone before any arm ran"), "## Commands\n", "```\n" + "\n".join(meta["commands"]) + "\n```\n",
           "## Headline\n", CI_NOTE + "\n", _headline(results, splits, n),
           "ID = held-out problems from the training generator; OOD = problems whose numbers reach beyond the training "
           "range (see Setup). *distinct sols / problem*: "

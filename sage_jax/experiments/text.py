@@ -68,6 +68,8 @@ def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, swee
     splits = [s for s in SPLITS if s in base_record["eval"]]
     problems = {s: len(base_record["eval"][s]) for s in splits}
     est = estimate(full, base_record, records, len(arms_mod.ARMS))
+    counts = sorted({len(by_seed) for by_seed in records.values()})
+    seeds_text = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     m = config.model
     num_params = train_state.model_config(config, vocab_size=countdown.CountdownTokenizer().vocab_size).num_params
     description = (
@@ -103,18 +105,19 @@ def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, swee
              f"{config.sft.num_demos} demonstrations. RL: {config.train.steps} steps x "
              f"{config.rollout.prompts_per_step} prompts x {config.rollout.group_size} samples, lr {config.optim.lr}, "
              f"beta {config.loss.beta}; "
-             f"Branch gamma {config.loss.gamma}, tau {config.loss.tau}. Seeds per arm: {seeds}.\n\n"
+             f"Branch gamma {config.loss.gamma}, tau {config.loss.tau}. Seeds per arm: "
+             + ", ".join(f"{a} {len(records[a])}" for a in arms) + ".\n\n"
              + "\n".join(arm_lines) + ent_line + "\n\nFull configuration of the grpo arm (configs/countdown_arms.py"
              f":grpo,{budget}):")
     hyper = "\n".join(_flat({k: v for k, v in config.to_dict().items() if k not in ("mesh",)}))
     times = arm_times(records)
     all_runs = [r for runs in (*records.values(), *sweep_records.values()) for r in runs.values()]
     timing = _timing(config, full, est, base_record["times"], all_runs, command, wall, cpu, loads)
-    caveats = _caveats(config, seeds)
+    caveats = _caveats(config, counts[0], seeds_text, arms)
     commands = _commands(command, [base_record, *all_runs])
-    sweep_note = (f"{sweep_seeds} seed(s) per cell, otherwise the grpo_branch arm; taus chosen around the base "
-                  "policy's token entropies (see the setup section).")
-    return {"budget": budget, "seeds": seeds, "arms": list(arms), "n": n, "splits": splits,
+    sweep_note = (f"{sweep_seeds} seed(s) per cell, otherwise the {config.experiment.sweep_arm} arm; taus chosen "
+                  "around the base policy's token entropies (see the setup section).")
+    return {"budget": budget, "seeds": seeds, "seeds_text": seeds_text, "arms": list(arms), "n": n, "splits": splits,
             "problems": problems, "description": description, "setup": setup, "hyperparameters": hyper,
             "timing": timing, "caveats": caveats, "commands": commands, "arm_times": times,
             "demo_shares": base_record.get("demo_shares"), "sweep_note": sweep_note,
@@ -149,25 +152,34 @@ def _timing(config, full, est, base_t, all_runs, command: str, wall: float, cpu:
     return timing
 
 
-def _caveats(config, seeds: int) -> str:
-    return "\n".join([
+def _caveats(config, seeds: int, seeds_text: str, arms: Sequence[str]) -> str:
+    """seeds: the fewest any arm has (seeds_text: their range)."""
+    dapo = any(a.startswith("dapo") for a in arms)
+    bnpo = any(a.startswith("bnpo") for a in arms)
+    kl_cov = any("kl_cov" in a for a in arms)
+    lines = [
         "- A sub-1M-parameter model, a few dozen RL steps and a synthetic task: a test of the mechanism (does "
         "reshaping the anchor keep rare valid modes), not of the paper's numbers.",
-        f"- {seeds} seed(s) per arm" + (": no intervals; differences between arms are within what seeds move"
-                                        " unless a full run says otherwise." if seeds < 2 else
-                                        "; 95% t-intervals with so few seeds are wide."),
+        f"- {seeds_text} seed(s) per arm" + (": no intervals; differences between arms are within what seeds move"
+                                             " unless a full run says otherwise." if seeds < 2 else
+                                             "; 95% t-intervals with so few seeds are wide.")]
+    lines += ([
         "- DAPO arms draw extra rollouts when groups have zero reward variance (dynamic sampling, up to "
         f"{config.train.max_resample} extra rounds), so they spend more sampling compute per step; overlong "
         "shaping is off (completions are ~10 tokens of a 24-token budget). Their logged train reward is over the "
-        "kept (mixed-outcome) groups, so it reads higher than the other arms' and is not comparable with them.",
-        "- BNPO here is its token-mean loss aggregation (no beta-normalised advantages).",
+        "kept (mixed-outcome) groups, so it reads higher than the other arms' and is not comparable with them."]
+        if dapo else [])
+    lines += ["- BNPO here is its token-mean loss aggregation (no beta-normalised advantages)."] if bnpo else []
+    lines += ([
         "- KL-Cov penalises |log pi - log pi_old|, which has no gradient on a batch's first (on-policy) update: with "
         f"{config.optim.num_iterations * config.optim.mini_batches} update(s) per batch here it "
         + ("cannot act (Guide activity marks it)." if config.optim.num_iterations * config.optim.mini_batches == 1
-           else "acts from the second update on."),
+           else "acts from the second update on.")] if kl_cov else [])
+    lines += [
         "- The top-entropy quantile and KL-Cov's covariance are over the rows of one loss call (one micro-batch).",
         "- The trainer draws countdown problems from config.seed; until config.data has its own seed, every run "
-        "here reuses the base's problem sets (see reproduce.run_experiment), so seeds change RL randomness only."])
+        "here reuses the base's problem sets (see reproduce.run_experiment), so seeds change RL randomness only."]
+    return "\n".join(lines)
 
 
 def _commands(command: str, records) -> list[str]:
