@@ -109,7 +109,7 @@ def test_bad_input_is_one_clear_line(tmp_path, module_and_args, names, prepare, 
 def test_ctrl_c_exits_130_with_a_resume_hint(tmp_path):
     workdir = tmp_path / "wd"
     cmd = [sys.executable, "-m", "sage_jax.train", "--config", TINY, "--workdir", str(workdir),
-           "--config.train.steps=50"]
+           "--config.train.steps=100000"]  # never finishes before the interrupt, however fast the machine
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while not (workdir / "rl" / "checkpoints" / "1").exists():  # interrupt mid-training, threads running
