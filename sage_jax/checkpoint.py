@@ -8,11 +8,14 @@ every process (each its own shards); the JSON item is written by the primary pro
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import json
 import logging as pylogging
 import os
+import signal
+import threading
 from typing import Any
 
 import jax
@@ -71,6 +74,27 @@ def _all_processes(ok: bool) -> bool:
 _EXPECTED_FILES = ("state/_METADATA", "state/manifest.ocdbt", "meta/metadata")
 
 
+@contextlib.contextmanager
+def deferred_interrupt():
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block and deliver it when the block ends.
+
+    orbax's wait for a previous save catches BaseException, so a KeyboardInterrupt raised inside a save or a wait was
+    logged and dropped and the run went on (the interrupted run finished, or kept training). Held here, the interrupt
+    reaches the caller once the checkpoint call has returned, with the checkpoint complete. Main thread only (where
+    Python runs signal handlers); elsewhere the block runs as is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            signal.raise_signal(signal.SIGINT)  # now to the handler the block replaced (KeyboardInterrupt by default)
+
+
 def _cause_text(e: BaseException, limit: int = 300) -> str:
     """First line of the error without TensorStore's spec dump; a long one keeps its head and its innermost cause
     (the end: TensorStore nests "outer: inner: cause"), so "data corruption" or a byte-range error is never cut off."""
@@ -117,14 +141,17 @@ class Checkpointer:
         """
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   meta=ocp.args.JsonSave(_jsonable(dict(meta or {}))))
-        return bool(self._manager.save(int(step), args=args, force=force))
+        with deferred_interrupt():
+            return bool(self._manager.save(int(step), args=args, force=force))
 
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        with deferred_interrupt():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        with deferred_interrupt():
+            self._manager.wait_until_finished()
+            self._manager.close()
 
     # -- listing ------------------------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:

@@ -52,6 +52,27 @@ def test_round_trip_with_opt_state_and_meta(tmp_path):
     assert got_meta == {"data_position": 123, "rng_key": [0, 42], "config": {"lr": 1e-3, "arm": "sage"}}
 
 
+def test_ctrl_c_inside_a_save_is_not_swallowed_and_the_checkpoint_completes(tmp_path, monkeypatch):
+    """orbax's wait catches BaseException: a KeyboardInterrupt raised inside it was dropped and the run went on."""
+    import signal
+    manager = ckpt.Checkpointer(str(tmp_path), async_save=False)
+    real_save = manager._manager.save
+
+    def save_like_orbax(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while orbax waits
+        except BaseException:  # noqa: BLE001 - what orbax does with it
+            pass
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(manager._manager, "save", save_like_orbax)
+    with pytest.raises(KeyboardInterrupt):
+        manager.save(1, {"w": np.ones(3, np.float32)})
+    assert manager.all_steps() == [1]  # the interrupt arrived after the save, not in place of it
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    manager.close()
+
+
 def test_keep_prunes_oldest(tmp_path):
     c = _save_steps(tmp_path, [1, 2, 3, 4], keep=2)
     assert c.all_steps() == [3, 4]
