@@ -110,7 +110,10 @@ def test_ctrl_c_exits_130_with_a_resume_hint(tmp_path):
     workdir = tmp_path / "wd"
     cmd = [sys.executable, "-m", "sage_jax.train", "--config", TINY, "--workdir", str(workdir),
            "--config.train.steps=100000"]  # never finishes before the interrupt, however fast the machine
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # a shell's background job inherits SIGINT ignored, and Python then never installs its Ctrl-C handler
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
     deadline = time.time() + 300
     while not (workdir / "rl" / "checkpoints" / "1").exists():  # interrupt mid-training, threads running
         assert proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
