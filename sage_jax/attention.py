@@ -6,8 +6,9 @@ sequences (packing: ids 1, 2, ... with per-segment positions), or one left-padde
 
   naive      the [B, K, G, T, S] scores in one einsum: fastest for short rows, memory quadratic in T
   blockwise  flash-style online softmax over [block, block] tiles in plain JAX, with a hand-written backward that
-             recomputes the tiles: no [T, T] buffer in either pass, runs on every backend; causally dead tiles are
-             skipped (a loop whose trip count depends on the query tile)
+             recomputes the tiles: no [T, T] buffer in either pass, runs on every backend; dead tiles are skipped:
+             causally dead ones, and in packed rows those between different sequences in every row of the batch
+             (each query tile's loop starts at the earliest tile its rows' sequences start in, `tile_ranges`)
   cudnn      jax.nn.dot_product_attention(implementation="cudnn") (GPU, bf16 / fp16), mask given per row
   splash     the Pallas TPU splash-attention kernel with segment ids (TPU)
   auto       cudnn on GPU in bf16/fp16, splash on TPU, else naive up to AUTO_NAIVE_MAX_LEN keys and blockwise beyond
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 
 log = logging.getLogger("sage_jax")
 IMPLEMENTATIONS = ("auto", "naive", "blockwise", "cudnn", "splash")
-AUTO_NAIVE_MAX_LEN = 1024
+AUTO_NAIVE_MAX_LEN = 256  # CPU, fp32: blockwise was 1.4-1.8x faster forward + backward from 256 keys up
 _MASKED = -1e30  # finite: a tile with no allowed key must not turn the running max into -inf (exp(-inf + inf))
 
 
@@ -73,10 +74,25 @@ def _tile_scores(q_BxKxGxQxH, k_BxKxCxH, seg_q_BxQ, seg_k_BxC, qi, kj, block, sc
     return jnp.where(allowed[:, None, None], s, _MASKED)
 
 
+def tile_ranges(seg_BxT: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """(first [n], last [n]) int32: query tile i needs key tiles first[i]..i, key tile j is needed by query tiles
+    j..last[j], over all rows of the batch. A token may attend back to the start of its run of equal segment ids
+    and be attended to up to the run's end (padding runs included: a superset of what the mask allows), and run
+    starts / ends only grow along a row, so each tile's first / last token decides."""
+    T = seg_BxT.shape[1]
+    t = jnp.arange(T)
+    start = t - segment_positions(seg_BxT)
+    end = t + segment_positions(seg_BxT[:, ::-1])[:, ::-1]
+    first = jnp.min(start[:, ::block], axis=0) // block
+    last = jnp.max(end[:, block - 1::block], axis=0) // block
+    return first.astype(jnp.int32), last.astype(jnp.int32)
+
+
 def _forward(q, k, v, seg, block, scale):
     """q [B,K,G,T,H], k/v [B,K,T,H], seg [B,T], T a multiple of block -> (out like q, logsumexp [B,K,G,T] fp32)."""
     B, K, G, T, H = q.shape
     n = T // block
+    first, _ = tile_ranges(seg, block)
 
     def q_tile(i):
         qi, seg_i = _tile(q, i, block, 3), _tile(seg, i, block, 1)
@@ -93,7 +109,7 @@ def _forward(q, k, v, seg, block, scale):
 
         init = (jnp.full((B, K, G, block), _MASKED, jnp.float32), jnp.zeros((B, K, G, block), jnp.float32),
                 jnp.zeros((B, K, G, block, H), jnp.float32))
-        m, l, acc = jax.lax.fori_loop(0, i + 1, step, init)
+        m, l, acc = jax.lax.fori_loop(first[i], i + 1, step, init)
         return (acc / l[..., None]).astype(q.dtype), m + jnp.log(l)
 
     out, lse = jax.lax.map(q_tile, jnp.arange(n))  # [n, B, K, G, block, ...]
@@ -104,6 +120,7 @@ def _backward(q, k, v, seg, out, lse, d_out, block, scale):
     """Flash-attention-2 backward: dq by query tiles, dk / dv by key tiles, each tile's probabilities recomputed."""
     B, K, G, T, H = q.shape
     n = T // block
+    first, last = tile_ranges(seg, block)
     delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [B,K,G,T]
 
     def probs_and_ds(i, j):
@@ -119,7 +136,7 @@ def _backward(q, k, v, seg, out, lse, d_out, block, scale):
             _, ds = probs_and_ds(i, j)
             return dq + jnp.einsum("bkgqc,bkch->bkgqh", ds.astype(k.dtype), _tile(k, j, block, 2),
                                    preferred_element_type=jnp.float32)
-        return jax.lax.fori_loop(0, i + 1, step, jnp.zeros((B, K, G, block, H), jnp.float32)) * scale
+        return jax.lax.fori_loop(first[i], i + 1, step, jnp.zeros((B, K, G, block, H), jnp.float32)) * scale
 
     def dkv_tile(j):
         def step(i, carry):
@@ -131,8 +148,8 @@ def _backward(q, k, v, seg, out, lse, d_out, block, scale):
                                  preferred_element_type=jnp.float32)
             return dk, dv
         zeros = jnp.zeros((B, K, block, H), jnp.float32)
-        # causal, square tiles: query tiles before key tile j see none of its keys
-        dk, dv = jax.lax.fori_loop(j, n, step, (zeros, zeros))
+        # causal, square tiles: query tiles before key tile j see none of its keys, those after last[j] neither
+        dk, dv = jax.lax.fori_loop(j, last[j] + 1, step, (zeros, zeros))
         return dk * scale, dv
 
     dq = jnp.moveaxis(jax.lax.map(dq_tile, jnp.arange(n)), 0, 3).reshape(B, K, G, T, H)

@@ -41,6 +41,42 @@ def test_blockwise_equals_naive_values_and_gradients(block):
         np.testing.assert_allclose(a, b, atol=5e-5)
 
 
+def test_tile_ranges_skip_tiles_between_sequences():
+    # block 4: row 0 = sequences [0, 6), [6, 9), [9, 16), then padding; row 1 = [0, 10), [10, 20), padding
+    seg = jnp.asarray([[1] * 6 + [2] * 3 + [3] * 7 + [0] * 8, [1] * 10 + [2] * 10 + [0] * 4], jnp.int32)
+    first, last = attention.tile_ranges(seg, 4)
+    # query tile 2 (8..11): row 0's token 8 starts at 6 (tile 1), row 1's token 8 at 0 (tile 0)
+    np.testing.assert_array_equal(first, [0, 0, 0, 2, 2, 4])
+    # key tile 0 (0..3): row 1's sequence runs to 9 (tile 2); padding [16, 24) / [20, 24) ends with the row
+    np.testing.assert_array_equal(last, [2, 2, 4, 4, 5, 5])
+
+
+def test_blockwise_equals_naive_where_tiles_are_skipped():
+    """Two rows of short packed sequences and small tiles: tiles far below the diagonal are dead in both rows."""
+    T = 48
+    rng = np.random.default_rng(3)
+    rows = []
+    for _ in range(2):
+        lens = rng.integers(3, 9, 12)
+        ids = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lens)])[:T - 5]
+        rows.append(np.pad(ids, (0, T - len(ids))))
+    seg = jnp.asarray(np.stack(rows), jnp.int32)
+    first, _ = attention.tile_ranges(seg, 8)
+    n = len(first)
+    visited = int(np.sum(np.arange(n) - np.asarray(first) + 1))
+    assert visited <= 2 * n - 1 < n * (n + 1) // 2  # the diagonal and at most one tile below it, not all causal ones
+    q, k, v = _qkv(T=T, seed=4)
+    w = jax.random.normal(jax.random.key(5), q.shape)
+    real = (seg > 0)[:, :, None, None]
+    loss = lambda fn: lambda q, k, v: jnp.sum(jnp.where(real, jnp.sin(fn(q, k, v, seg)) * w, 0.0))
+    blocked = lambda *a: attention.blockwise(*a, block=8)
+    np.testing.assert_allclose(np.where(real, blocked(q, k, v, seg), 0),
+                               np.where(real, attention.naive(q, k, v, seg), 0), atol=2e-5)
+    for a, b in zip(jax.grad(loss(blocked), argnums=(0, 1, 2))(q, k, v),
+                    jax.grad(loss(attention.naive), argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b, atol=5e-5)
+
+
 def test_segments_do_not_see_each_other():
     """Changing sequence 1's tokens leaves sequence 2's outputs unchanged (and vice versa for later ones)."""
     q, k, v = _qkv()
@@ -71,6 +107,7 @@ def test_resolve_falls_back_and_rejects_unknown():
         assert attention.resolve("cudnn", 128, jnp.bfloat16) == "blockwise"
         assert attention.resolve("splash", 128, jnp.bfloat16) == "blockwise"
         assert attention.resolve("auto", 128, jnp.float32) == "naive"
+        assert attention.resolve("auto", 640, jnp.float32) == "blockwise"
         assert attention.resolve("auto", 4096, jnp.float32) == "blockwise"
     with pytest.raises(ValueError, match="model.attention"):
         attention.resolve("flash9", 128, jnp.float32)
