@@ -143,6 +143,20 @@ def test_inverse_cdf_never_picks_a_removed_token():
     assert not removed[all_rows, picks].any()
 
 
+def test_two_level_inverse_cdf_matches_a_flat_float64_search():
+    """Block sums, then the cdf within the block: the same token as searching one float64 cdf of the whole
+    vocabulary (V = 1000 is not a multiple of the block, and a third of the entries are removed)."""
+    rng = np.random.default_rng(1)
+    logits = rng.normal(0, 3, (32, 1000)).astype(np.float32)
+    logits[rng.uniform(size=logits.shape) < 0.3] = -np.inf
+    uniform = rng.uniform(size=32).astype(np.float32)
+    picks = np.asarray(jax.jit(sampler._inverse_cdf)(jnp.asarray(logits), jnp.asarray(uniform)))
+    p = np.exp(logits.astype(np.float64) - logits.max(-1, keepdims=True))
+    cdf = np.cumsum(p, -1)
+    expected = np.argmax(cdf > uniform[:, None] * cdf[:, -1:], axis=-1)
+    np.testing.assert_array_equal(picks, expected)
+
+
 def test_filters_on_crafted_distribution():
     probs = np.array([0.4, 0.3, 0.15, 0.1, 0.05])
     logits = jnp.log(jnp.asarray(probs))[None]
