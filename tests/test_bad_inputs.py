@@ -108,7 +108,10 @@ def test_bad_input_is_one_clear_line(tmp_path, module_and_args, names, prepare, 
 
 def test_ctrl_c_exits_130_with_a_resume_hint(tmp_path):
     workdir = tmp_path / "wd"
-    cmd = [sys.executable, "-m", "sage_jax.train", "--config", TINY, "--workdir", str(workdir),
+    # python -m sage_jax.train, with faulthandler dumping every thread's stack on SIGUSR1 (used if it hangs)
+    launch = ("import faulthandler, runpy, signal; faulthandler.register(signal.SIGUSR1, all_threads=True); "
+              "runpy.run_module('sage_jax.train', run_name='__main__', alter_sys=True)")
+    cmd = [sys.executable, "-c", launch, "--config", TINY, "--workdir", str(workdir),
            "--config.train.steps=100000"]  # never finishes before the interrupt, however fast the machine
     # a shell's background job inherits SIGINT ignored, and Python then never installs its Ctrl-C handler
     default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -119,6 +122,13 @@ def test_ctrl_c_exits_130_with_a_resume_hint(tmp_path):
         assert proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # show where it hangs: every thread's stack, then stop it
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(5)
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail("the run did not exit within 120 s of its SIGINT; its threads' stacks:\n" + err[-8000:])
     assert proc.returncode == 130, err[-3000:]
     assert "interrupted: rerun the same command" in err and "Traceback" not in err

@@ -320,10 +320,35 @@ def test_bench_sampler_smoke():
     from sage_jax.bench import sampler as bench
     rows = bench.bench_sampler(presets=("tiny",), dtype="fp32", batch=4, prompt_len=8, new_tokens=8, repeats=1,
                                latency=False)
-    assert [r["impl"] for r in rows] == ["sage_jax", "transformers", bench.MATMULS_ONLY]
-    assert all(r["tokens_per_s"] > 0 and r["gflops_per_s"] > 0 for r in rows)
-    assert rows[-1]["frac_of_peak"] == pytest.approx(1.0)  # the matmuls-only row is the peak
-    assert rows[0]["frac_of_peak"] == pytest.approx(rows[0]["gflops_per_s"] / rows[-1]["gflops_per_s"])
+    by = {r["impl"]: r for r in rows}
+    assert [r["impl"] for r in rows] == ["sage_jax", "transformers", bench.MATMULS_ONLY, bench.ATTENTION_ONLY,
+                                         bench.MATMULS_ATTENTION]
+    assert all(r["tokens_per_s"] > 0 and r.get("gflops_per_s", 1) > 0 for r in rows)
+    matmuls, attention, both = by[bench.MATMULS_ONLY], by[bench.ATTENTION_ONLY], by[bench.MATMULS_ATTENTION]
+    assert matmuls["frac_of_peak"] == pytest.approx(1.0)  # the matmuls-only row is the peak
+    assert rows[0]["frac_of_peak"] == pytest.approx(rows[0]["gflops_per_s"] / matmuls["gflops_per_s"])
+    assert both["seconds"] == pytest.approx(matmuls["seconds"] + attention["seconds"])
+    assert both["frac_of_peak"] < 1.0 and "frac_of_peak" not in attention
+    assert rows[0]["frac_of_matmuls_attention"] == pytest.approx(rows[0]["frac_of_peak"] / both["frac_of_peak"])
+
+
+def test_decode_attention_floor_reads_what_the_sampler_reads(params):
+    """attention_only runs model._cached_attention on the sampler's cache shape, step i allowed up to slot P + i."""
+    from sage_jax.bench import sampler as bench
+    seen = []
+    real = model._cached_attention
+
+    def spy(q, k, v, allowed):
+        seen.append((k.shape, allowed.shape))
+        return real(q, k, v, allowed)
+    try:
+        model._cached_attention = spy
+        out = jax.block_until_ready(bench.decode_attention_fn(CFG, rows=3, prompt_len=8, steps=8)())
+    finally:
+        model._cached_attention = real
+    S = sampler.prompt_bucket(8) + sampler.new_tokens_bucket(8)
+    assert seen and all(k == (3, CFG.num_kv_heads, S, CFG.head_dim) and a == (3, 1, S) for k, a in seen)
+    assert len(seen) == CFG.num_layers and np.all(np.isfinite(np.asarray(out)))
 
 
 def test_decode_matmuls_flops_match_xla_count(params):

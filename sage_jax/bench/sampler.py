@@ -31,6 +31,8 @@ from sage_jax.bench import common, flops
 from sage_jax.bench.common import DTYPES, print_table
 
 MATMULS_ONLY = "matmuls_only"  # the sampler table's ceiling row: see decode_matmuls_fn
+ATTENTION_ONLY = "attention_only"  # the decode steps' cache attention alone: see decode_attention_fn
+MATMULS_ATTENTION = "matmuls+attention"  # the two rows' seconds added: the ceiling once attention is counted
 
 HF_EOS = 1  # the EOS id transformers is forced to emit in the longtail workload (prompts may contain it: harmless)
 
@@ -119,6 +121,31 @@ def decode_matmuls_fn(cfg, params, rows: int, steps: int) -> tuple[Callable[[], 
     return (lambda: program(layers, params, x)), flops
 
 
+def decode_attention_fn(cfg, rows: int, prompt_len: int, steps: int) -> Callable[[], jax.Array]:
+    """`steps` decode steps of `rows` rows that do nothing but each layer's attention over its KV cache, as the
+    sampler runs it (model._cached_attention on the sampler's cache shape, step i reading the prompt and the i
+    tokens before it), chained through the query: the part of a decode step that the matmuls-only floor leaves
+    out and that no decode step can skip."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    S = sampler_lib.prompt_bucket(prompt_len) + sampler_lib.new_tokens_bucket(steps)
+    P = S - sampler_lib.new_tokens_bucket(steps)
+    shape = (rows, cfg.num_kv_heads, S, cfg.head_dim)
+    keys = jax.random.split(jax.random.key(2), 2 * cfg.num_layers + 1)
+    cache = [(jax.random.normal(keys[2 * i], shape, dt), jax.random.normal(keys[2 * i + 1], shape, dt))
+             for i in range(cfg.num_layers)]
+    q = jax.random.normal(keys[-1], (rows, 1, cfg.num_heads, cfg.head_dim), dt)
+
+    @jax.jit
+    def program(cache, q_Bx1xNxH):
+        def step(i, q):
+            allowed_Bx1xS = jnp.broadcast_to(jnp.arange(S) <= P + i, (rows, 1, S))
+            for k, v in cache:
+                q = q + 1e-3 * model._cached_attention(q, k, v, allowed_Bx1xS)
+            return q
+        return jax.lax.fori_loop(0, steps, step, q_Bx1xNxH)
+    return lambda: program(cache, q)
+
+
 def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 64, prompt_len: int = 32,
                   new_tokens: int = 128, repeats: int = 3, latency: bool = True, seed: int = 0,
                   hf_threads: int | None = None, workload: str = "fixed", group: int = 1,
@@ -153,8 +180,11 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
                 fns = {k: fn for k, (fn, _) in sides.items()}
                 if workload == "fixed":
                     fns[MATMULS_ONLY], floor_flops = decode_matmuls_fn(cfg, params, b, new_tokens)
+                    fns[ATTENTION_ONLY] = decode_attention_fn(cfg, b, prompt_len, new_tokens)
                 compiled_before = sampler_lib.compile_count()
                 seconds = {k: statistics.median(t) for k, t in common.interleaved_seconds(fns, repeats).items()}
+                if workload == "fixed":
+                    seconds[MATMULS_ATTENTION] = seconds[MATMULS_ONLY] + seconds[ATTENTION_ONLY]
                 compiled = sampler_lib.compile_count() - compiled_before
                 group_rows = []
                 for impl, s in seconds.items():
@@ -162,14 +192,19 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
                     row = dict(preset=name, dtype=dtype, workload=workload, batch=b, group=g, prompt_len=prompt_len,
                                new_tokens=new_tokens, impl=impl, seconds=s, tokens_per_s=int(np.sum(made)) / s,
                                **workloads.length_quantiles(made, new_tokens))
-                    if workload == "fixed":
+                    if workload == "fixed" and impl == ATTENTION_ONLY:
+                        row |= dict(ms_per_step=1e3 * s / new_tokens)
+                    elif workload == "fixed":
                         peak = floor_flops / seconds[MATMULS_ONLY]
-                        f = floor_flops if impl == MATMULS_ONLY else flops.decode_flops(
+                        f = floor_flops if impl in (MATMULS_ONLY, MATMULS_ATTENTION) else flops.decode_flops(
                             cfg, b // g, g, prompt_len, new_tokens)
                         row |= dict(ms_per_step=1e3 * s / new_tokens, model_gflops=f / 1e9, gflops_per_s=f / s / 1e9,
                                     frac_of_peak=f / s / peak)
                     group_rows.append(row)
                 ours, theirs = group_rows[0], group_rows[1]
+                if workload == "fixed":  # our fraction of the ceiling that counts the attention
+                    ceiling = next(r for r in group_rows if r["impl"] == MATMULS_ATTENTION)
+                    ours["frac_of_matmuls_attention"] = ours["frac_of_peak"] / ceiling["frac_of_peak"]
                 ours["programs_compiled"] = compiled
                 ours["vs_transformers"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
                 rows += group_rows
@@ -185,9 +220,12 @@ def _print_sampler_table(rows: list[dict]) -> None:
         ("preset", ""), ("dtype", ""), ("workload", ""), ("batch", "d"), ("group", "d"), ("impl", ""),
         ("tokens", "d"), ("len_p10", ".0f"), ("len_p50", ".0f"), ("len_p90", ".0f"), ("len_max", "d"),
         ("frac_at_max", ".3f"), ("tokens_per_s", ".1f"), ("ms_per_step", ".2f"), ("seconds", ".3f"),
-        ("gflops_per_s", ".1f"), ("frac_of_peak", ".2f"), ("vs_transformers", ".2f")])
+        ("gflops_per_s", ".1f"), ("frac_of_peak", ".2f"), ("frac_of_matmuls_attention", ".2f"),
+        ("vs_transformers", ".2f")])
     print(f"(tokens: generated before EOS by each side, with their length quantiles; model FLOPs as sage_jax computes "
-          f"them; peak = the '{MATMULS_ONLY}' row: the same weights' matmuls and nothing else, timed in the same loop)")
+          f"them; peak = the '{MATMULS_ONLY}' row: the same weights' matmuls and nothing else, timed in the same loop; "
+          f"'{ATTENTION_ONLY}': the decode steps' cache attention and nothing else; '{MATMULS_ATTENTION}': the two "
+          "added, a decode step's floor once its attention is counted; frac_of_matmuls_attention: ours against it)")
     print("\nratio sage_jax / transformers tokens/s (and the matmuls-only ceiling / transformers):")
     by_key: dict[tuple, dict[str, float]] = {}
     for r in rows:
