@@ -89,14 +89,22 @@ def _blocked_decode_attention(q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, allowed_Bx1xGxS, 
     return (acc / total[..., None]).astype(v_BxKxSxH.dtype)
 
 
+def _einsum_parts(equation: str) -> tuple[str, str, str, str, str, str]:
+    """(x, w, y, lead, inner, outer) letters of an "x,w->y" product of an input x and a weight w: lead are x's
+    letters not in w, inner w's letters contracted with x, outer w's letters kept in y (each in its operand's order)."""
+    x_letters, rest = equation.split(",")
+    w_letters, y_letters = rest.split("->")
+    lead = "".join(c for c in x_letters if c not in w_letters)
+    inner = "".join(c for c in w_letters if c in x_letters)
+    outer = "".join(c for c in w_letters if c in y_letters)
+    return x_letters, w_letters, y_letters, lead, inner, outer
+
+
 def matmul(equation: str, x: jax.Array, w: jax.Array, **kw) -> jax.Array:
     """jnp.einsum(equation, x, w) for "lead inner, inner outer -> lead outer" (letters in that order), done as one
     2-D matmul on reshaped operands: XLA:CPU runs the 3-D einsums of the projections 1.5x slower, forward and
     backward, than the same product of [tokens, in] x [in, out] matrices. Any other equation goes to einsum."""
-    x_letters, rest = equation.split(",")
-    w_letters, y_letters = rest.split("->")
-    inner = "".join(c for c in w_letters if c in x_letters)
-    lead, outer = x_letters[:len(x_letters) - len(inner)], w_letters[len(inner):]
+    x_letters, w_letters, y_letters, lead, inner, outer = _einsum_parts(equation)
     if x_letters != lead + inner or w_letters != inner + outer or y_letters != lead + outer:
         return jnp.einsum(equation, x, w, **kw)
     lead_shape, outer_shape = x.shape[:len(lead)], w.shape[len(inner):]
@@ -114,11 +122,7 @@ def _project(lp: Params, name: str, equation: str, x: jax.Array, cdt) -> jax.Arr
     adapter = lp.get("lora", {}).get(name)
     if adapter is None:
         return y
-    x_letters, rest = equation.split(",")
-    w_letters, y_letters = rest.split("->")
-    lead = "".join(c for c in x_letters if c not in w_letters)
-    inner = "".join(c for c in w_letters if c in x_letters)
-    outer = "".join(c for c in w_letters if c in y_letters)
+    x_letters, _, y_letters, lead, inner, outer = _einsum_parts(equation)
     if "keep" in adapter:
         keep = adapter["keep"]
         x = jnp.where(jax.random.bernoulli(adapter["key"], keep, x.shape), x / keep.astype(x.dtype), 0)

@@ -127,8 +127,8 @@ def decode_attention_fn(cfg, rows: int, prompt_len: int, steps: int) -> Callable
     tokens before it), chained through the query: the part of a decode step that the matmuls-only floor leaves
     out and that no decode step can skip."""
     dt = jnp.dtype(cfg.compute_dtype)
-    S = sampler_lib.prompt_bucket(prompt_len) + sampler_lib.new_tokens_bucket(steps)
-    P = S - sampler_lib.new_tokens_bucket(steps)
+    P = sampler_lib.prompt_bucket(prompt_len)
+    S = P + sampler_lib.new_tokens_bucket(steps)
     shape = (rows, cfg.num_kv_heads, S, cfg.head_dim)
     keys = jax.random.split(jax.random.key(2), 2 * cfg.num_layers + 1)
     cache = [(jax.random.normal(keys[2 * i], shape, dt), jax.random.normal(keys[2 * i + 1], shape, dt))
