@@ -29,7 +29,9 @@ def get_config(arg=None):
         targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")))
     c.tokenizer_path = ""  # defaults to model.path
 
-    c.mesh = ml_collections.ConfigDict(dict(shape=(1, -1, 1)))
+    # rollout_devices = n > 0 (with train.off_policy_steps >= 1): the sampler on a sub-mesh of the last n devices,
+    # training on the rest (shape = the training mesh's), the new weights copied over after each update
+    c.mesh = ml_collections.ConfigDict(dict(shape=(1, -1, 1), rollout_devices=0))
     c.mesh.rules = ml_collections.ConfigDict({k: v for k, v in sharding.DEFAULT_RULES.items()})
 
     # Data: task is "math", "kk" or "countdown". train/eval name shared data sets (see sage_jax.data.loaders).
@@ -58,7 +60,10 @@ def get_config(arg=None):
         reward="math", reward_workers=8, reward_timeout=10.0, logprob_rows=64,
         packing=True,  # reference / old-policy passes and updates on packed rows (sage_jax/packing.py)
         dynamic_sampling=False, max_resample=3, overlong_buffer=0, overlong_penalty=1.0,
-        use_tensorboard=True, use_wandb=False, progress=True))
+        use_tensorboard=True, use_wandb=False, progress=True,
+        # k > 0: step t trains on rollouts sampled by the policy of step t - k; batch t + k is generated (and scored
+        # on the host) while step t trains (sage_jax/offpolicy.py). 0: on-policy, strictly serial
+        off_policy_steps=0))
 
     c.eval = ml_collections.ConfigDict(dict(
         n=16, ks=(1, 4, 16), problems=0, temperature=1.0, top_p=1.0, min_p=0.0, max_new_tokens=0,

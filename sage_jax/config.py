@@ -182,6 +182,9 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("train.reward_timeout", lambda v: v > 0, "> 0 seconds"),
     ("train.reward_memory_mb", lambda v: v >= 0, ">= 0 MiB (0 = no cap)"),
     ("train.max_resample", lambda v: v >= 0, ">= 0"),
+    ("train.off_policy_steps", lambda v: v >= 0, ">= 0 (0 = on-policy; 1 = the next batch is sampled while this one "
+                                                 "trains)"),
+    ("mesh.rollout_devices", lambda v: v >= 0, ">= 0 (0 = the sampler shares the training devices)"),
     ("eval.n", lambda v: v >= 1, ">= 1 (samples per problem)"),
     ("eval.problems", lambda v: v >= 0, ">= 0 (0 = all)"),
     ("eval.temperature", lambda v: v >= 0, ">= 0"),

@@ -67,6 +67,25 @@ def make_mesh(shape: Sequence[int] = (1, -1, 1), devices: Sequence[jax.Device] |
     return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
 
 
+def make_meshes(shape: Sequence[int], rollout_devices: int = 0,
+                devices: Sequence[jax.Device] | None = None) -> tuple[Mesh, Mesh | None]:
+    """(training mesh, rollout mesh or None). rollout_devices = n > 0 splits the devices: the sampler gets the last
+    n, as (data = n / tensor, fsdp = 1, tensor = the training mesh's tensor size when it divides n: rows over data,
+    weights whole on each data shard), and `shape` is the training mesh's over the rest. Across hosts each sub-mesh
+    spans whole hosts."""
+    devices = list(jax.devices() if devices is None else devices)
+    n = int(rollout_devices)
+    if not n:
+        return make_mesh(shape, devices), None
+    per_host = len(devices) // jax.process_count()
+    if not 0 < n < len(devices) or (jax.process_count() > 1 and n % per_host):
+        raise ValueError(f"mesh.rollout_devices={n}: must leave devices for training (0 < n < {len(devices)}) and, "
+                         f"across hosts, be a multiple of the {per_host} devices per host")
+    train = make_mesh(shape, devices[:len(devices) - n])
+    tensor = train.shape["tensor"] if n % train.shape["tensor"] == 0 else 1
+    return train, make_mesh((n // tensor, 1, tensor), devices[len(devices) - n:])
+
+
 def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, Any] | None = None) -> P:
     rules = DEFAULT_RULES if rules is None else rules
     used: set[str] = set()

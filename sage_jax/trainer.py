@@ -12,18 +12,18 @@ import functools
 import json
 import logging as pylogging
 import os
-import time
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sage_jax import checkpoint, evaluation, guides, lora, objectives, packing, rollouts, sharding, supervised, tasks
+from sage_jax import (checkpoint, evaluation, guides, lora, objectives, offpolicy, packing, rollouts, sharding,
+                      supervised, tasks)
 from sage_jax import config as config_lib
 from sage_jax import logging as slog
 from sage_jax import model as model_lib
-from sage_jax import train_state
+from sage_jax import step_timing, train_state
 from sage_jax.rewards.pool import RewardPool
 from sage_jax.rollouts import collect_rollouts  # trainer.collect_rollouts: rl_step's CollectFn in run_rl
 
@@ -54,6 +54,7 @@ class RLContext:
     grad_accum: int = 1
     lora_cfg: lora.LoraConfig | None = None  # LoRA: the state trains adapters on the frozen `base`
     base: Any = None
+    off_policy: bool = False             # train.off_policy_steps > 0: batches come from an earlier policy
 
     def policy(self, trained) -> Any:
         """The params to sample and score the policy with: the trained params, or with LoRA base + adapters."""
@@ -68,10 +69,11 @@ class StepOutput(NamedTuple):
 
 
 def rl_step(ctx: RLContext, state, step: int, collect: CollectFn) -> StepOutput:
-    """One RL step: `collect` samples and scores rollouts with the current policy, then every update of the step."""
-    t0 = time.perf_counter()
+    """One RL step: `collect` samples and scores rollouts with the current policy (off-policy: hands back a batch an
+    earlier policy sampled, offpolicy.py), then every update of the step. Each time/* phase waits for its outputs."""
+    clock = step_timing.PhaseClock()
     ro, stats = collect(ctx.policy(state["params"]), step)
-    t_rollout = time.perf_counter() - t0
+    clock.lap("rollout")                 # host arrays: generation and scoring are done
     lc = ctx.loss_cfg
     adv = objectives.group_advantages(jnp.asarray(ro["rewards"]), ctx.group_size, scale=lc.adv_scale,
                                       eps=lc.adv_eps, ddof=lc.std_ddof, estimator=lc.adv_estimator)
@@ -79,9 +81,13 @@ def rl_step(ctx: RLContext, state, step: int, collect: CollectFn) -> StepOutput:
     mine = sharding.local_rows(batch["tokens"].shape[0])  # this process feeds its share
     dev = {k: sharding.global_batch(v[mine], ctx.mesh) for k, v in batch.items()}
     packed = packing.is_packed(batch)
+    clock.lap("batch", dev)
     dev["ref_logp"], _ = _no_grad_logprobs(ctx, ctx.ref_cfg, ctx.ref_params, dev, ro, packed)
+    clock.lap("ref", dev["ref_logp"])
     sequence_kl = lc.kl_in_loss and lc.kl_estimator in objectives.SEQUENCE_ESTIMATORS
-    if ctx.num_iterations * ctx.mini_batches > 1 or lc.kl_in_reward or sequence_kl:
+    # off-policy, the ratio's denominator is the behaviour policy (the sampler's log-probs), so the pre-update pass
+    # is needed only for the terms computed once per step, which read the current policy as on-policy
+    if lc.kl_in_reward or sequence_kl or (ctx.num_iterations * ctx.mini_batches > 1 and not ctx.off_policy):
         dev["old_logp"], old_entropy = _no_grad_logprobs(ctx, ctx.cfg, ctx.policy(state["params"]), dev, ro, packed)
         # the KL terms computed once per step need whole groups as rows [N, C], before the batch is split
         keep = lambda a: a
@@ -94,16 +100,18 @@ def rl_step(ctx: RLContext, state, step: int, collect: CollectFn) -> StepOutput:
             dev["seq_kl_coef"] = back(objectives.forward_kl_coefficients(
                 rows["old_logp"], rows["ref_logp"], _old_log_q(ctx, rows, view(old_entropy), step),
                 rows["completion_mask"], ctx.group_size))
+        clock.lap("old", dev)
+    if ctx.off_policy:
+        dev["old_logp"] = dev["sampler_logp"]
     dev["rl_step"] = np.int32(step)
-    t1 = time.perf_counter()
     for _ in range(ctx.num_iterations):
         for mb in _mini_batches(dev, ctx.mini_batches, ctx.group_size, step, packed):
             state, metrics = ctx.train_step(state, mb, *(() if ctx.lora_cfg is None else (ctx.base,)))
-    step_s = time.perf_counter() - t0
+    clock.lap("update", state, metrics)
     host = {**stats, "rl/reward": float(ro["rewards"].mean()), "rl/accuracy": float(ro["correct"].mean()),
             "rl/truncated": float((~ro["finished"]).mean()), "rl/gen_len": float(ro["lengths"].mean()),
-            "time/rollout_s": t_rollout, "time/update_s": time.perf_counter() - t1, "time/step_s": step_s,
-            "time/rl_step": step, "perf/tokens_per_s": packing.num_tokens(batch) / step_s,
+            **clock.laps, "time/step_s": clock.total(), "time/rl_step": step,
+            "perf/tokens_per_s": packing.num_tokens(batch) / clock.total(),
             "perf/padded_frac": packing.padded_fraction(batch)}
     return StepOutput(state, metrics, host, ro)
 
@@ -216,7 +224,8 @@ def setup_rl(config, mesh, rules, tokenizer, params_override=None) -> tuple[RLCo
                     mesh=mesh, group_size=config.rollout.group_size, max_new_tokens=config.rollout.max_new_tokens,
                     num_iterations=optim.num_iterations, mini_batches=optim.mini_batches,
                     logprob_rows=config.train.logprob_rows, seed=config.seed, packing=config.train.packing,
-                    grad_accum=optim.grad_accum, lora_cfg=lora_cfg, base=base)
+                    grad_accum=optim.grad_accum, lora_cfg=lora_cfg, base=base,
+                    off_policy=config.train.get("off_policy_steps", 0) > 0)
     return ctx, state
 
 
@@ -234,7 +243,8 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
     config_lib.validate(config)
     os.makedirs(workdir, exist_ok=True)
     tr, rules = config.train, dict(config.mesh.rules)
-    mesh = sharding.make_mesh(tuple(config.mesh.shape))
+    k = tr.get("off_policy_steps", 0)
+    mesh, rollout_mesh = sharding.make_meshes(tuple(config.mesh.shape), config.mesh.get("rollout_devices", 0))
     task = task or tasks.build(config)
     with jax.set_mesh(mesh), sharding.use_rules(rules):
         ctx, state = setup_rl(config, mesh, rules, task.tokenizer, params_override)
@@ -245,12 +255,14 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
                                     use_wandb=tr.use_wandb, resume_step=start)
         summary = Summary(os.path.join(workdir, "summary.json"))
         with RewardPool(tr.reward or task.reward, num_workers=tr.reward_workers, timeout_s=tr.reward_timeout,
-                        memory_mb=tr.reward_memory_mb) as pool:
+                        memory_mb=tr.reward_memory_mb) as pool, offpolicy.Pipeline(
+                functools.partial(collect_rollouts, task, ctx.cfg, config, offpolicy.TimedPool(pool)), k, tr.steps,
+                mesh=rollout_mesh or mesh, rules=rules, place=offpolicy.placement(ctx, rollout_mesh, rules, k > 0),
+                workdir=workdir) as collect:
             evaluate = lambda params, tag: run_eval(task, ctx.cfg, params, config,
                                                     os.path.join(workdir, "eval", tag), pool, tag)
             if config.eval.at_start and task.evals and "before" not in summary.data:
                 summary.update(before=evaluate(ctx.policy(state["params"]), "before"))
-            collect = functools.partial(collect_rollouts, task, ctx.cfg, config, pool)
             late, watch = slog.LateMetrics(), checkpoint.FiniteWatch(ckpt, start if start else None)
             progress = slog.Progress(total=tr.steps, initial=start, enabled=tr.progress and jax.process_index() == 0)
             report = lambda m: _report(m, logger, progress, watch)
@@ -265,13 +277,16 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
                 done = step + 1
                 if done % tr.ckpt_every == 0 or done == tr.steps:
                     report(late.flush())
+                    collect.save(done, keep=ckpt.all_steps())  # the batch in flight, for a resume at `done`
                     ckpt.save(done, state, {"rl_step": done, "seed": config.seed,
                                             "model": checkpoint.model_meta(ctx.cfg)})
                     watch.saved(done)
                 if tr.eval_every and done % tr.eval_every == 0 and done != tr.steps:
+                    collect.drain()  # the reward pool is the evaluation's now
                     res = evaluate(ctx.policy(state["params"]), f"step{done}")
                     logger.log(step, {f"eval/{d}/{k}": v for d, r in res["datasets"].items() for k, v in r.items()})
             report(late.flush())
+            collect.drain()
             progress.close()
             ckpt.wait()
             if config.eval.at_end and task.evals and summary.data.get("after_step") != tr.steps:
