@@ -342,3 +342,35 @@ def test_train_steps_follow_the_packed_micro_batch_count():
     assert [step(None, packed(S))[1] for S in (4, 16, 4)] == [2, 8, 2]
     assert step(None, {"tokens": np.zeros((6, 4))})[1] == 8  # padded: the configured count
     assert made == [2, 8]  # one step per count, made once
+
+
+def test_phase_timings_wait_for_the_device_and_add_up_to_the_step():
+    """time/update_s holds the update's device work: against the same update re-timed with a block after every
+    train_step (same run, a ratio), not the dispatch alone; the laps add up to time/step_s."""
+    import time as time_lib
+    from types import SimpleNamespace
+    from sage_jax import sharding
+    tokenizer = SimpleNamespace(vocab_size=23, eos_ids=[1], pad_id=0, bos_id=2)
+    mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
+    config = _tiny(**{"model.hidden_size": 256, "model.intermediate_size": 1024, "model.num_layers": 4,
+                      "optim.num_iterations": 2})
+    rules = dict(config.mesh.rules)
+    ro = _forced_rollouts(N=32, P=8, C=64)
+    collect = lambda params, step: (ro, {})
+    with jax.set_mesh(mesh), sharding.use_rules(rules):
+        ctx, state = trainer.setup_rl(config, mesh, rules, tokenizer)
+        state = trainer.rl_step(ctx, state, 0, collect).state  # compiles
+        res = trainer.rl_step(ctx, state, 1, collect)
+        blocked = []
+
+        def timed_step(state, mb, *base):
+            t0 = time_lib.perf_counter()
+            out = jax.block_until_ready(ctx.train_step(state, mb, *base))
+            blocked.append(time_lib.perf_counter() - t0)
+            return out
+        trainer.rl_step(dataclasses.replace(ctx, train_step=timed_step), res.state, 2, collect)
+    h = res.host
+    phases = [v for k, v in h.items() if k.startswith("time/") and k.endswith("_s") and k != "time/step_s"]
+    assert {"time/rollout_s", "time/batch_s", "time/ref_s", "time/old_s", "time/update_s"} <= set(h)
+    assert abs(sum(phases) - h["time/step_s"]) <= 1e-6 * h["time/step_s"]
+    assert h["time/update_s"] > 0.5 * sum(blocked), (h["time/update_s"], blocked)
