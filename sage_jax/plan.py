@@ -333,8 +333,17 @@ def prepare(args: argparse.Namespace) -> None:
         roofline.prepare_environment()
 
 
+def _cpu_check(argv: Sequence[str]) -> bool:
+    """--chip cpu: the phase model against this machine's measured steps (plan_phases), not a config's plan."""
+    return "--chip=cpu" in argv or any(a == "--chip" and b == "cpu" for a, b in zip(argv, argv[1:]))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args, overrides = parse_flags(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _cpu_check(argv):
+        from sage_jax import plan_phases
+        return plan_phases.cpu_main(argv)
+    args, overrides = parse_flags(argv)
     prepare(args)
     from sage_jax import config as config_lib, plan_cache
     config = config_lib.load(args.config, overrides)
@@ -342,7 +351,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = run(config, args.devices, memory_gb, layers=args.layers, do_compile=not args.no_compile,
                  config_name=args.config, compiler=args.compiler, chip=args.chip or "v5p", topology=args.topology,
                  predict=not args.no_predict, cache_dir=args.cache or plan_cache.default_dir())
+    if args.compiler == "tpu" and not args.no_predict:  # the off-policy placements (phase_model: analytic)
+        from sage_jax import plan_phases
+        report["placements"] = plan_phases.placements_for(config, resolve_model(config)[0], args.chip or "v5p",
+                                                          report["chips"])
     print(format_report(report))
+    if "placements" in report:
+        print(plan_phases.format_placements(report["placements"], args.chip or "v5p", report["chips"]))
     if args.json:
         line = json.dumps(report)
         if args.json == "-":
@@ -354,6 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    prepare(parse_flags(sys.argv[1:])[0])  # before cli imports anything that imports JAX
+    if not _cpu_check(sys.argv[1:]):
+        prepare(parse_flags(sys.argv[1:])[0])  # before cli imports anything that imports JAX
     from sage_jax import cli
     cli.main_guard(main)

@@ -422,3 +422,48 @@ def test_tpu_flags_that_cannot_work_are_clear_errors():
                         (["--compiler", "cpu"], "--devices"), (["--compiler", "tpu"], "--topology")):
         proc = _finish(_start(["-m", "sage_jax.plan", "--config", TINY, *args]))
         assert proc.returncode == 2 and words in proc.stderr and "Traceback" not in proc.stderr, args
+
+
+# --------------------------------------------------------------------------------------------------- phase model
+
+def _phase_machine():
+    from sage_jax import phase_model
+    return phase_model.Machine(flops_per_s=1e12, bytes_per_s=1e11)
+
+
+def test_decode_is_modelled_at_its_live_rows_and_every_tail_step_reads_the_weights():
+    import numpy as np
+    from sage_jax import model, phase_model, workloads
+    cfg = model.preset("small")
+    lengths = workloads.longtail_lengths(64, 256)
+    rows = phase_model.decode_batches(lengths)
+    live = np.array([(lengths > j).sum() for j in range(1, lengths.max())])
+    assert (rows >= live).all() and rows[0] == 64 and rows[-1] < 64 and (np.diff(rows) <= 0).all()
+    assert (phase_model.decode_batches(np.full(64, 256)) == 64).all()
+    m = _phase_machine()
+    g = phase_model.generation(cfg, 8, 32, lengths, m)
+    weights_s = cfg.num_params * 4 / m.bytes_per_s
+    tail_steps = int((rows <= 8).sum())
+    assert g["tail_s"] >= tail_steps * weights_s  # a few rows still read every weight
+    full = phase_model.generation(cfg, 8, 32, np.full(64, 256), m)
+    assert g["decode_s"] < full["decode_s"]
+
+
+def test_placements_add_up_and_hide_the_host_only_off_policy():
+    import numpy as np
+    from sage_jax import model, phase_model, workloads
+    cfg = model.preset("qwen2.5-7b")
+    lengths = workloads.longtail_lengths(512, 3072)
+    rows = phase_model.placements(cfg, 64, 512, lengths, _phase_machine(), 32, 4, host_s=5.0, splits=[8, 16])
+    on, k1, *split = rows
+    assert on["step_s"] == on["generate_s"] + on["train_s"] + 5.0
+    assert k1["step_s"] == max(on["generate_s"] + on["train_s"], 5.0) < on["step_s"]
+    for r in split:
+        assert r["step_s"] == max(r["generate_s"], r["train_s"] + r["sync_s"], 5.0) and r["sync_s"] > 0
+    assert [r["n"] for r in split] == [8, 16]
+    assert np.isclose(on["vs_on_policy"], 1.0)
+
+
+def test_plan_chip_cpu_goes_to_the_phase_check():
+    assert plan._cpu_check(["--chip", "cpu"]) and plan._cpu_check(["--chip=cpu", "--presets", "tiny"])
+    assert not plan._cpu_check(["--chip", "v5p", "--config", "x.py"])
