@@ -29,6 +29,7 @@ class Machine:
     bytes_per_s: float      # memory bandwidth of one device
     name: str = ""
     link_bytes_per_s: float = 0.0  # per device across the cut between two sub-meshes (0: bytes_per_s)
+    decode_step_s: float = 0.0  # fixed cost of one decode step beyond its roofline (op launches; measured on a CPU)
 
 
 def _bytes(dtype: str) -> int:
@@ -69,7 +70,7 @@ def generation(cfg, prompts: int, prompt_len: int, lengths_N: np.ndarray, m: Mac
     flops_J = rows_J * (2 * per_layer + 2 * D * V + per_slot * (P + j))
     # per device: its share of the rows' cache and FLOPs, its tensor slice of the weights
     step_J = np.maximum(flops_J / (m.flops_per_s * devices),
-                        (weights + rows_J / shards * (P + j) * kv / tensor) / m.bytes_per_s)
+                        (weights + rows_J / shards * (P + j) * kv / tensor) / m.bytes_per_s) + m.decode_step_s
     tail = rows_J <= max(1, len(lengths_N) // 8)
     return {"prefill_s": float(prefill), "decode_s": float(step_J.sum()), "tail_s": float(step_J[tail].sum())}
 

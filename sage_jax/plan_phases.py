@@ -10,6 +10,7 @@ phase side by side. The TPU plan (`--compiler tpu`) adds the placement PREDICTIO
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -56,6 +57,24 @@ def _seconds(fn) -> float:
 PHASES = ("generate_s", "ref_s", "update_s")
 
 
+def decode_step_overhead(cfg, params, machine: phase_model.Machine, rows: int = 4, short: int = 32,
+                         long: int = 96) -> float:
+    """The decode step's fixed cost beyond its roofline, measured: sampler.generate of `rows` rows (one decode
+    bucket) to `long` and to `short` tokens, the difference per step, less the roofline's step at those rows."""
+    import numpy as np
+    from sage_jax import sampler
+    prompts = [[2 + i for i in range(16)]] * rows
+
+    def seconds(n):
+        gen = lambda: sampler.generate(cfg, params, prompts, n, eos_ids=(), seed=0)
+        _seconds(gen)  # compiles
+        return min(_seconds(gen) for _ in range(3))
+    per_step = (seconds(long) - seconds(short)) / (long - short)
+    lengths = np.full(rows, long)
+    model = phase_model.generation(cfg, rows, 16, lengths, machine)["decode_s"] / (long - 1)
+    return max(0.0, per_step - model)
+
+
 def validate(presets: Sequence[str], workloads: Sequence[str], prompts: int, group: int, prompt_len: int,
              new_tokens: int, repeats: int) -> tuple[phase_model.Machine, list[dict]]:
     import numpy as np
@@ -66,6 +85,7 @@ def validate(presets: Sequence[str], workloads: Sequence[str], prompts: int, gro
     for preset in presets:
         cfg = common.preset_config(preset, "fp32")
         params = common.init_params(cfg, 0)
+        at = dataclasses.replace(machine, decode_step_s=decode_step_overhead(cfg, params, machine))
         prompts_BxP = np.random.default_rng(0).integers(2, cfg.vocab_size, (prompts, prompt_len))
         for workload in workloads:
             lengths = wl.workload_lengths(workload, prompts * group, new_tokens, 0)
@@ -74,8 +94,9 @@ def validate(presets: Sequence[str], workloads: Sequence[str], prompts: int, gro
             measured = [run() for _ in range(repeats)]
             tokens = int(phase_model.step_tokens(prompt_len, lengths, True)[0])
             shaped = {"train": shaped_rate(min(tokens, 8192), cfg), "decode": shaped_rate(prompts * group, cfg)}
-            predicted = phase_model.predict_phases(cfg, prompts, prompt_len, lengths, machine, shaped=shaped)
-            row = {"preset": preset, "workload": workload, "train_gflops_per_s": shaped["train"] / 1e9,
+            predicted = phase_model.predict_phases(cfg, prompts, prompt_len, lengths, at, shaped=shaped)
+            row = {"preset": preset, "workload": workload, "decode_step_ms": at.decode_step_s * 1e3,
+                   "train_gflops_per_s": shaped["train"] / 1e9,
                    "decode_gflops_per_s": shaped["decode"] / 1e9}
             for phase in PHASES:
                 row[f"pred_{phase}"] = predicted[phase]
@@ -93,7 +114,7 @@ def format_validation(machine: phase_model.Machine, rows: list[dict]) -> str:
         lines.append(f"{r['preset']:7}{r['workload']:>10}" + "".join(
             f"{r[f'pred_{p}']:>15.3f}{r[f'meas_{p}']:>9.3f}{r[f'ratio_{p}']:>6.2f}" for p in PHASES)
             + f"   (matmul at the model's shapes: {r['train_gflops_per_s']:.1f} GFLOP/s training, "
-              f"{r['decode_gflops_per_s']:.1f} decoding)")
+              f"{r['decode_gflops_per_s']:.1f} decoding; decode step's fixed cost {r['decode_step_ms']:.2f} ms)")
     lines.append("pred: PREDICTION (phase_model), meas: MEASURED median seconds, p/m: their ratio (target 0.75-1.25)")
     return "\n".join(lines)
 
@@ -115,7 +136,7 @@ def cpu_main(argv: Sequence[str]) -> int:
     print(format_validation(machine, rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": vars(machine) if hasattr(machine, "__dict__") else machine.__dict__,
+            json.dump({"machine": dataclasses.asdict(machine),
                        "rows": rows, "args": vars(args)}, f)
             f.write("\n")
     return 0
