@@ -104,17 +104,19 @@ class Pipeline:
 
     def __call__(self, params, step: int):
         t0 = time.perf_counter()
-        placed, sync = self.place(params)
         if not self.k:
+            placed, sync = self.place(params)
             ro, stats, _ = self._run(placed, step, step)
             return ro, {**stats, **sync}
         fut = self.pending.pop(step, None)
         got = fut.result() if fut is not None else self._load(step)
+        dispatch = step + self.k < self.steps and step + self.k not in self.pending
+        placed, sync = self.place(params) if dispatch or got is None else (None, {})
         ro, stats, version = got if got is not None else self._run(placed, step, step)
         if not 0 <= step - version <= self.k:
             raise RuntimeError(f"RL step {step} was handed a batch of step {version}'s policy; at most "
                                f"train.off_policy_steps={self.k} steps old is allowed")
-        if step + self.k < self.steps and step + self.k not in self.pending:
+        if dispatch:
             self.pending[step + self.k] = self.executor.submit(self._run, placed, step + self.k, step)
         waited = time.perf_counter() - t0
         hidden = max(0.0, stats["time/collect_s"] - waited) if fut is not None else 0.0
