@@ -79,8 +79,9 @@ def make_meshes(shape: Sequence[int], rollout_devices: int = 0,
         return make_mesh(shape, devices), None
     per_host = len(devices) // jax.process_count()
     if not 0 < n < len(devices) or (jax.process_count() > 1 and n % per_host):
-        raise ValueError(f"mesh.rollout_devices={n}: must leave devices for training (0 < n < {len(devices)}) and, "
-                         f"across hosts, be a multiple of the {per_host} devices per host")
+        raise ValueError(f"mesh.rollout_devices={n}: the sampler's sub-mesh must leave devices for training (there "
+                         f"are {len(devices)}; 0 = sample on the training devices) and, across hosts, be a multiple "
+                         f"of the {per_host} devices per host")
     train = make_mesh(shape, devices[:len(devices) - n])
     tensor = train.shape["tensor"] if n % train.shape["tensor"] == 0 else 1
     return train, make_mesh((n // tensor, 1, tensor), devices[len(devices) - n:])

@@ -151,3 +151,14 @@ def test_split_placement_matches_colocated(k1_run, tmp_path):
     lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     syncs = [row["time/weight_sync"] for row in lines if "time/weight_sync" in row]
     assert len(syncs) == 3 and min(syncs) > 0  # steps 0-2 place the weights for batches 0-3; the last step none
+
+
+def test_make_meshes_splits_the_devices():
+    devices = jax.devices()[:8]
+    train, rollout = sharding.make_meshes((1, -1, 2), 4, devices)
+    assert list(train.devices.flat) == devices[:4] and dict(train.shape) == {"data": 1, "fsdp": 2, "tensor": 2}
+    assert list(rollout.devices.flat) == devices[4:] and dict(rollout.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
+    assert sharding.make_meshes((1, -1, 1), 0, devices)[1] is None
+    for bad in (8, 9):
+        with pytest.raises(ValueError, match="rollout_devices"):
+            sharding.make_meshes((1, -1, 1), bad, devices)
