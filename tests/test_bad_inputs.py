@@ -38,6 +38,24 @@ def _prepare_other_model(tmp: Path) -> dict:
     return {}
 
 
+def _prepare_seed0_checkpoint(tmp: Path) -> dict:
+    """A checkpoint made with the tiny config as it is (seed 0, k3)."""
+    import jax.numpy as jnp
+    from sage_jax import checkpoint, config, run_record
+    ck = checkpoint.Checkpointer(tmp / "wd" / "rl")
+    ck.save(2, {"w": jnp.zeros(2)}, {"rl_step": 2, "config": run_record.as_record(config.load(str(ROOT / TINY)))})
+    ck.close()
+    return {}
+
+
+def _prepare_live_lock(tmp: Path) -> dict:
+    """The workdir locked by a live process (this test's)."""
+    import socket
+    (tmp / "wd").mkdir()
+    (tmp / "wd" / "run.lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    return {}
+
+
 def _prepare_samples(tmp: Path) -> dict:
     (tmp / "good.jsonl").write_text(json.dumps({"completion": "x", "reward": 1.0}) + "\n")
     (tmp / "bad.jsonl").write_text('{"completion": "x"}\n{"completion": "y",}\n')
@@ -73,6 +91,12 @@ CASES = [
     ("workdir is a file", ["sage_jax.train"], "a_file", _prepare_file, True),
     ("corrupt summary.json", ["sage_jax.train"], "summary.json", _prepare_summary, False),
     ("other model in workdir", ["sage_jax.train"], "hidden_size: checkpoint 32, config 64", _prepare_other_model,
+     False),
+    ("resume with other settings", ["sage_jax.train", "--config.seed=7", "--config.loss.kl_estimator=k2"],
+     "loss.kl_estimator: checkpoint 'k3', now 'k2'; seed: checkpoint 0, now 7", _prepare_seed0_checkpoint, False),
+    ("workdir in use", ["sage_jax.train"], f"in use by another run (pid {os.getpid()} on host", _prepare_live_lock,
+     False),
+    ("workdir in use (sft)", ["sage_jax.sft"], f"in use by another run (pid {os.getpid()} on host", _prepare_live_lock,
      False),
     ("patterns: missing file", ["sage_jax.patterns", "{tmp}/good.jsonl", "{tmp}/missing.jsonl"], "missing.jsonl",
      _prepare_samples, False),
@@ -131,4 +155,68 @@ def test_ctrl_c_exits_130_with_a_resume_hint(tmp_path):
         _, err = proc.communicate()
         pytest.fail("the run did not exit within 120 s of its SIGINT; its threads' stacks:\n" + err[-8000:])
     assert proc.returncode == 130, err[-3000:]
-    assert "interrupted: rerun the same command" in err and "Traceback" not in err
+    # inside the step loop a Ctrl-C stops at the step boundary, after a checkpoint of the last completed step
+    assert "stopped by SIGINT after RL step " in err and "resume with: python -m" in err and "Traceback" not in err
+
+
+def _start(cmd, workdir: Path):
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
+
+
+def _wait_for(proc, path: Path, what: str):
+    deadline = time.time() + 300
+    while not (path.exists() and path.stat().st_size):  # the logger creates its files empty before the loop
+        assert proc.poll() is None and time.time() < deadline, f"run ended before {what}: {proc.stderr.read()[-3000:]}"
+        time.sleep(0.2)
+
+
+def _stopped_at(err: str, what: str) -> int:
+    import re
+    stops = [line for line in err.splitlines() if line.startswith(f"stopped by SIGTERM after {what} ")]
+    assert len(stops) == 1 and "resume with: python -m sage_jax." in stops[0], err[-3000:]
+    return int(re.search(rf"after {what} (\d+):", stops[0]).group(1))
+
+
+def test_sigterm_saves_the_last_step_and_a_second_run_on_the_workdir_exits_2(tmp_path):
+    """kill -TERM mid-run: a checkpoint of the last completed step (not on the ckpt_every cadence), exit 143, one
+    line naming the step; a second run on the live workdir exits 2 at once naming the holder; the rerun resumes."""
+    workdir = tmp_path / "wd"
+    train = [sys.executable, "-m", "sage_jax.train", "--config", TINY, "--workdir", str(workdir)]
+    first = _start(train + ["--config.train.steps=100000", "--config.train.ckpt_every=100000"], workdir)
+    _wait_for(first, workdir / "samples.jsonl", "its first step")  # written at the end of step 0
+    second = subprocess.run(train, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-3000:]
+    assert second.stderr.strip().splitlines()[-1].startswith("error: the workdir ")
+    assert f"pid {first.pid} on host " in second.stderr
+    first.send_signal(signal.SIGTERM)
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 143 and "Traceback" not in err, err[-3000:]
+    step = _stopped_at(err, "RL step")
+    assert step >= 1 and (workdir / "rl" / "checkpoints" / str(step)).is_dir(), err[-3000:]
+    rows = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(set(rows)) == list(range(step)), rows  # the first run's steps only, each logged
+    assert not (workdir / "run.lock").exists()
+    rerun = subprocess.run(train + [f"--config.train.steps={step + 1}", "--config.train.ckpt_every=100000"],
+                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"at RL step {step}" in (workdir / "log.txt").read_text()
+    assert (workdir / "rl" / "checkpoints" / str(step + 1)).is_dir()
+
+
+def test_sigterm_during_sft_saves_and_resumes(tmp_path):
+    workdir = tmp_path / "wd"
+    sft = [sys.executable, "-m", "sage_jax.sft", "--config", TINY, "--workdir", str(workdir),
+           "--config.sft.batch_size=4", "--config.sft.num_demos=16"]
+    proc = _start(sft + ["--config.sft.steps=100000", "--config.sft.ckpt_every=100000"], workdir)
+    _wait_for(proc, workdir / "sft" / "metrics.jsonl", "its first step")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    step = _stopped_at(err, "SFT step")
+    assert (workdir / "sft" / "checkpoints" / str(step)).is_dir()
+    rerun = subprocess.run(sft + [f"--config.sft.steps={step + 1}"], cwd=ROOT, env=_env(), capture_output=True,
+                           text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"SFT resumed at step {step}" in (workdir / "log.txt").read_text()
