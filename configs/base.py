@@ -10,6 +10,8 @@ import ml_collections
 
 from sage_jax import objectives, sharding
 
+ARGS = ()  # accepted config arguments (configs/NAME.py:ARG): none, so any is an error
+
 
 def get_config(arg=None):
     c = ml_collections.ConfigDict()

@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from sage_jax import logging as slog
+from sage_jax.save_errors import disk_full as _disk_full, quiet_failures as _quiet_failures
 
 log = pylogging.getLogger(__name__)
 
@@ -144,12 +145,27 @@ class Checkpointer:
         """
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   meta=ocp.args.JsonSave(_jsonable(dict(meta or {}))))
-        with deferred_interrupt():
-            return bool(self._manager.save(int(step), args=args, force=force))
+        with deferred_interrupt(), _quiet_failures():
+            try:
+                return bool(self._manager.save(int(step), args=args, force=force))
+            except Exception as e:
+                self._raise_disk_full(e, step)
+                raise
+
+    def _raise_disk_full(self, e: BaseException, step: int) -> None:
+        if _disk_full(e):
+            done = [s for s in self.all_steps() if s != int(step)]
+            raise CheckpointError(f"cannot write checkpoint step {step} in {self.directory}: no space left on device; "
+                                  f"free space there or rerun with a --workdir on a disk with room (the newest "
+                                  f"complete checkpoint is step {done[-1] if done else 'none'})") from None
 
     def wait(self) -> None:
-        with deferred_interrupt():
-            self._manager.wait_until_finished()
+        with deferred_interrupt(), _quiet_failures():
+            try:
+                self._manager.wait_until_finished()
+            except Exception as e:
+                self._raise_disk_full(e, -1)
+                raise
 
     def close(self) -> None:
         with deferred_interrupt():

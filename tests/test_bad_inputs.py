@@ -62,6 +62,17 @@ def _prepare_samples(tmp: Path) -> dict:
     return {}
 
 
+def _prepare_bad_configs(tmp: Path) -> dict:
+    (tmp / "bad_syntax.py").write_text("def get_config(arg=None):\n    return (\n")
+    (tmp / "bad_import.py").write_text('"""A config whose import fails."""\n\nimport no_such_module_xyz\n')
+    return {}
+
+
+def _prepare_non_utf8_demos(tmp: Path) -> dict:
+    (tmp / "demos.jsonl").write_bytes(b'{"prompt": "1+1", "completion": "2"}\n{"prompt": "caf\xe9", "completion": "x"}\n')
+    return {}
+
+
 # (case id, command after `python -m`, what the error line must name, prepare the tmp dir, fails before JAX starts)
 CASES = [
     ("unknown key", ["sage_jax.train", "--config.loss.betta=1"], "loss.betta", None, True),
@@ -98,6 +109,16 @@ CASES = [
      False),
     ("workdir in use (sft)", ["sage_jax.sft"], f"in use by another run (pid {os.getpid()} on host", _prepare_live_lock,
      False),
+    ("config syntax error", ["sage_jax.train", "--config", "{tmp}/bad_syntax.py"], "bad_syntax.py:2: syntax error",
+     _prepare_bad_configs, True),
+    ("config import fails", ["sage_jax.train", "--config", "{tmp}/bad_import.py"],
+     "bad_import.py:3: the config file fails to load (ModuleNotFoundError", _prepare_bad_configs, True),
+    ("config argument typo", ["sage_jax.train", "--config", "configs/cpu_demo.py:quikc"],
+     "unknown config argument 'quikc'; cpu_demo.py accepts 'quick'", None, True),
+    ("config argument to a config without any", ["sage_jax.train", "--config", "configs/tiny_test.py:fast"],
+     "tiny_test.py accepts no argument", None, True),
+    ("non-UTF-8 data file", ["sage_jax.sft", "--config.sft.data={tmp}/demos.jsonl", "--config.sft.steps=1"],
+     "demos.jsonl:2: not UTF-8 text", _prepare_non_utf8_demos, False),
     ("patterns: missing file", ["sage_jax.patterns", "{tmp}/good.jsonl", "{tmp}/missing.jsonl"], "missing.jsonl",
      _prepare_samples, False),
     ("patterns: bad JSON", ["sage_jax.patterns", "{tmp}/good.jsonl", "{tmp}/bad.jsonl"],
@@ -220,3 +241,51 @@ def test_sigterm_during_sft_saves_and_resumes(tmp_path):
                            text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"SFT resumed at step {step}" in (workdir / "log.txt").read_text()
+
+
+@pytest.mark.parametrize("args,names", [
+    (["--topology", "2xx4"], "--topology '2xx4' is not a slice shape"),
+    (["--memory-gb", "-5"], "--memory-gb -5: must be > 0"),
+], ids=["malformed topology", "negative memory"])
+def test_plan_rejects_bad_shapes_and_sizes(args, names):
+    cmd = [sys.executable, "-m", "sage_jax.plan", "--config", TINY, "--devices", "1", "--compiler", "cpu", *args]
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert names in r.stderr.strip().splitlines()[-1], r.stderr
+
+
+def test_evaluate_names_an_unknown_dataset():
+    from sage_jax import evaluate
+    with pytest.raises(ValueError, match="unknown dataset 'bogusset'"):
+        evaluate.reward_for("bogusset", "countdown")
+    assert evaluate.reward_for("countdown", "countdown") == "countdown"
+    with pytest.raises(ValueError, match="does not suit a countdown model"):
+        evaluate.reward_for("math500", "countdown")
+
+
+def test_a_truncated_safetensors_file_is_named_as_incomplete(tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+    from sage_jax import hf_io
+    save_file({"w": np.zeros((64, 64), np.float32)}, str(tmp_path / "model.safetensors"))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:40])  # a download cut short
+    with pytest.raises(ValueError, match=r"model.safetensors is incomplete or not a safetensors file"):
+        hf_io._checkpoint_files(tmp_path)
+
+
+def test_a_full_disk_is_one_error_line(tmp_path, monkeypatch):
+    """orbax failing with ENOSPC mid-save: a CheckpointError naming the step and the fix (cli prints it alone)."""
+    import jax.numpy as jnp
+    from sage_jax import checkpoint
+    ck = checkpoint.Checkpointer(tmp_path)
+    ck.save(1, {"w": jnp.zeros(2)})
+
+    def full(*args, **kwargs):
+        raise ValueError('RESOURCE_EXHAUSTED: Failed writing "x": No space left on device [os_error_code=\'28\']')
+    monkeypatch.setattr(ck._manager, "save", full)
+    with pytest.raises(checkpoint.CheckpointError, match="cannot write checkpoint step 2 .* no space left on device"
+                       ".* newest complete checkpoint is step 1"):
+        ck.save(2, {"w": jnp.zeros(2)})
+    monkeypatch.undo()
+    ck.close()
