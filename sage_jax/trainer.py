@@ -237,10 +237,10 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
     mesh = sharding.make_mesh(tuple(config.mesh.shape))
     task = task or tasks.build(config)
     with jax.set_mesh(mesh), sharding.use_rules(rules), run_guard.locked(workdir):
-        ckpt = checkpoint.Checkpointer(os.path.join(workdir, "rl"), keep=tr.keep_ckpts)
-        run_record.check_resume(config, ckpt, workdir)  # a resume with other settings stops here, or is recorded
         ctx, state = setup_rl(config, mesh, rules, task.tokenizer, params_override)
+        ckpt = checkpoint.Checkpointer(os.path.join(workdir, "rl"), keep=tr.keep_ckpts)
         ckpt.check_model(checkpoint.model_meta(ctx.cfg))
+        run_record.check_resume(config, ckpt, workdir)  # a resume with other settings stops here, or is recorded
         state, start = _restore(ckpt, state, workdir)
         logger = slog.MetricsLogger(workdir, None if start else config.to_dict(), use_tensorboard=tr.use_tensorboard,
                                     use_wandb=tr.use_wandb, resume_step=start)  # a resume keeps config.json

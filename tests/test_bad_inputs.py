@@ -69,7 +69,8 @@ def _prepare_bad_configs(tmp: Path) -> dict:
 
 
 def _prepare_non_utf8_demos(tmp: Path) -> dict:
-    (tmp / "demos.jsonl").write_bytes(b'{"prompt": "1+1", "completion": "2"}\n{"prompt": "caf\xe9", "completion": "x"}\n')
+    (tmp / "demos.jsonl").write_bytes(b'{"prompt": "1+1", "completion": "2"}\n'
+                                      b'{"prompt": "caf\xe9", "completion": "x"}\n')
     return {}
 
 

@@ -265,7 +265,8 @@ def test_resume_with_other_settings_is_refused_unless_allowed_and_then_recorded(
     changed = _tiny_config("--config.seed=7", "--config.loss.kl_estimator=k2", "--config.train.steps=3")
     with pytest.raises(config_lib.ConfigError) as e:
         run_record.check_resume(changed, c, str(tmp_path))
-    assert "loss.kl_estimator: checkpoint 'k3', now 'k2'" in str(e.value) and "seed: checkpoint 0, now 7" in str(e.value)
+    assert "loss.kl_estimator: checkpoint 'k3', now 'k2'" in str(e.value)
+    assert "seed: checkpoint 0, now 7" in str(e.value)
     assert "train.steps" not in str(e.value) and "allow_config_change=True" in str(e.value)
     assert not (tmp_path / run_record.CHANGES_FILE).exists()
     with changed.unlocked():
