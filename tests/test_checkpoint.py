@@ -277,3 +277,36 @@ def test_resume_with_other_settings_is_refused_unless_allowed_and_then_recorded(
     assert set(entry["changed"]) == {"seed", "loss.kl_estimator"}  # allow_config_change itself may change
     assert entry["changed"]["seed"] == {"checkpoint": 0, "now": 7}
     c.close()
+
+
+def test_step_stop_finishes_the_step_saves_it_and_a_second_signal_aborts(tmp_path):
+    import signal
+    from sage_jax import run_guard
+    c = ckpt.Checkpointer(tmp_path)
+    saved, closed = [], []
+
+    class Closer:
+        def close(self):
+            closed.append(True)
+    stop = run_guard.StepStop("RL step", c, lambda done: (saved.append(done), c.save(done, {"w": jnp.zeros(2)})),
+                              closers=(Closer(),))
+    previous = signal.getsignal(signal.SIGTERM)
+    ran = []
+    with pytest.raises(run_guard.Stopped) as e:
+        for step in stop.steps(3, 100):
+            ran.append(step)
+            if step == 4:
+                os.kill(os.getpid(), signal.SIGTERM)  # mid-step: the step still finishes
+    assert ran == [3, 4] and saved == [5] and c.all_steps() == [5] and closed == [True]
+    assert e.value.code == 143 and "stopped by SIGTERM after RL step 5: checkpoint saved at" in e.value.message
+    assert signal.getsignal(signal.SIGTERM) is previous  # the loop's handler is gone
+    # a second signal goes to the handler from before the loop (here: raise Terminated at once)
+    signal.signal(signal.SIGTERM, run_guard._raise_terminated)
+    try:
+        with pytest.raises(run_guard.Terminated):
+            for step in run_guard.StepStop("RL step", c, lambda done: None).steps(0, 10):
+                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    c.close()
