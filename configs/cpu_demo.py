@@ -11,6 +11,8 @@ a before/after table and DIR/summary.json holds the same numbers. Presets: `:qui
 
 from configs import base
 
+ARGS = ("quick",)  # accepted config arguments (configs/cpu_demo.py:quick); any other is an error
+
 
 def get_config(arg=None):
     c = base.get_config()

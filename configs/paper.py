@@ -11,6 +11,8 @@ The loss, optimizer and sampling defaults of configs/base.py are the reference t
 
 from configs import base
 
+ARGS = ()  # accepted config arguments (configs/NAME.py:ARG): none, so any is an error
+
 
 def get_config(arg=None):
     c = base.get_config()

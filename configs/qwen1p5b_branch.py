@@ -12,6 +12,8 @@ device): without remat, at 4 micro-batches, the update kept every layer's matmul
 
 from configs import qwen7b_branch
 
+ARGS = ()  # accepted config arguments (configs/NAME.py:ARG): none, so any is an error
+
 
 def get_config(arg=None):
     c = qwen7b_branch.get_config(arg)

@@ -13,6 +13,8 @@ Add --config.model.lora.rank=8 to train rank-8 adapters instead (see configs/qwe
 
 from configs import qwen7b_branch
 
+ARGS = ()  # accepted config arguments (configs/NAME.py:ARG): none, so any is an error
+
 
 def get_config(arg=None):
     c = qwen7b_branch.get_config(arg)

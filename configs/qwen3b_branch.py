@@ -8,6 +8,8 @@ Hardware: TPU v5p-32 or 16 x H100. Expect pass@1 and pass@k at or above the GRPO
 
 from configs import qwen7b_branch
 
+ARGS = ()  # accepted config arguments (configs/NAME.py:ARG): none, so any is an error
+
 
 def get_config(arg=None):
     c = qwen7b_branch.get_config(arg)

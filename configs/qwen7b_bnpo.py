@@ -9,6 +9,8 @@ Hardware: TPU v5p-64. Should produce (paper): pass@1 0.243, pass@256 0.699.
 
 from configs import paper
 
+ARGS = ()  # accepted config arguments (configs/NAME.py:ARG): none, so any is an error
+
 
 def get_config(arg=None):
     c = paper.get_config(arg)

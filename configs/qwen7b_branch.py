@@ -9,6 +9,8 @@ Should produce (paper, avg of AIME24/25, AMC23, MATH-500): pass@1 0.284 and pass
 
 from configs import paper
 
+ARGS = ()  # accepted config arguments (configs/NAME.py:ARG): none, so any is an error
+
 
 def get_config(arg=None):
     c = paper.get_config(arg)

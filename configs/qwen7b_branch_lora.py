@@ -12,6 +12,8 @@ WORKDIR/peft_adapter (loads with peft.PeftModel.from_pretrained; --config.model.
 
 from configs import qwen7b_branch
 
+ARGS = ()  # accepted config arguments (configs/NAME.py:ARG): none, so any is an error
+
 
 def get_config(arg=None):
     c = qwen7b_branch.get_config(arg)

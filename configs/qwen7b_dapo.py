@@ -12,6 +12,8 @@ Hardware: TPU v5p-64. Should produce (paper): pass@1 0.264, pass@256 0.696.
 
 from configs import paper
 
+ARGS = ()  # accepted config arguments (configs/NAME.py:ARG): none, so any is an error
+
 
 def get_config(arg=None):
     c = paper.get_config(arg)

@@ -7,6 +7,8 @@ Hardware: TPU v5p-64. Should produce (paper): pass@1 0.267, pass@256 0.712 (DAPO
 
 from configs import qwen7b_dapo
 
+ARGS = ()  # accepted config arguments (configs/NAME.py:ARG): none, so any is an error
+
 
 def get_config(arg=None):
     c = qwen7b_dapo.get_config(arg)

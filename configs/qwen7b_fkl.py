@@ -9,6 +9,8 @@ Hardware: TPU v5p-64. Paper: pass@256 slightly above GRPO, pass@1 below SAGE.
 
 from configs import paper
 
+ARGS = ()  # accepted config arguments (configs/NAME.py:ARG): none, so any is an error
+
 
 def get_config(arg=None):
     c = paper.get_config(arg)

@@ -7,6 +7,8 @@ Hardware: TPU v5p-64. Should produce (paper): pass@1 0.266, pass@256 0.714.
 
 from configs import paper
 
+ARGS = ()  # accepted config arguments (configs/NAME.py:ARG): none, so any is an error
+
 
 def get_config(arg=None):
     return paper.get_config(arg)

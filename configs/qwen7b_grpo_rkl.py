@@ -10,6 +10,8 @@ Hardware: TPU v5p-64. Not in the paper's tables.
 
 from configs import paper
 
+ARGS = ()  # accepted config arguments (configs/NAME.py:ARG): none, so any is an error
+
 
 def get_config(arg=None):
     c = paper.get_config(arg)

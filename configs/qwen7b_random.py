@@ -7,6 +7,8 @@ Hardware: TPU v5p-64. Paper: a control for Branch; small or no gains over GRPO.
 
 from configs import paper
 
+ARGS = ()  # accepted config arguments (configs/NAME.py:ARG): none, so any is an error
+
 
 def get_config(arg=None):
     c = paper.get_config(arg)

@@ -8,6 +8,8 @@ Hardware: TPU v5p-128 (longer rollouts). Should produce (paper, pass@64): 0.452 
 
 from configs import qwen7b_branch
 
+ARGS = ()  # accepted config arguments (configs/NAME.py:ARG): none, so any is an error
+
 
 def get_config(arg=None):
     c = qwen7b_branch.get_config(arg)

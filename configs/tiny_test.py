@@ -5,6 +5,8 @@
 
 from configs import base
 
+ARGS = ()  # accepted config arguments (configs/NAME.py:ARG): none, so any is an error
+
 
 def get_config(arg=None):
     c = base.get_config()

@@ -8,7 +8,8 @@ sequences (packing: ids 1, 2, ... with per-segment positions), or one left-padde
   blockwise  flash-style online softmax over [block, block] tiles in plain JAX, with a hand-written backward that
              recomputes the tiles: no [T, T] buffer in either pass, runs on every backend; dead tiles are skipped:
              causally dead ones, and in packed rows those between different sequences in every row of the batch
-             (each query tile's loop starts at the earliest tile its rows' sequences start in, `tile_ranges`)
+             (each query tile's loop starts at the earliest tile its rows' sequences start in, `tile_ranges`;
+             correct for any segment ids, contiguous or not)
   cudnn      jax.nn.dot_product_attention(implementation="cudnn") (GPU, bf16 / fp16), mask given per row
   splash     the Pallas TPU splash-attention kernel with segment ids (TPU)
   auto       cudnn on GPU in bf16/fp16, splash on TPU, else naive up to AUTO_NAIVE_MAX_LEN keys and blockwise beyond
@@ -74,17 +75,35 @@ def _tile_scores(q_BxKxGxQxH, k_BxKxCxH, seg_q_BxQ, seg_k_BxC, qi, kj, block, sc
     return jnp.where(allowed[:, None, None], s, _MASKED)
 
 
+def _occurrences(seg_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(first [B, T], last [B, T]): the first / last position in its row that carries the token's segment id; any
+    ids, contiguous or not (a stable sort groups equal ids with their positions ascending)."""
+    B, T = seg_BxT.shape
+    order_BxT = jnp.argsort(seg_BxT, axis=1, stable=True)
+    sorted_BxT = jnp.take_along_axis(seg_BxT, order_BxT, axis=1)
+    k = jnp.broadcast_to(jnp.arange(T), (B, T))
+    new_group = jnp.concatenate([jnp.ones((B, 1), bool), sorted_BxT[:, 1:] != sorted_BxT[:, :-1]], axis=1)
+    group_end = jnp.concatenate([sorted_BxT[:, 1:] != sorted_BxT[:, :-1], jnp.ones((B, 1), bool)], axis=1)
+    head = jax.lax.cummax(jnp.where(new_group, k, 0), axis=1)
+    tail = jax.lax.cummin(jnp.where(group_end, k, T - 1), axis=1, reverse=True)
+    rows = jnp.arange(B)[:, None]
+    first = jnp.zeros((B, T), jnp.int32).at[rows, order_BxT].set(jnp.take_along_axis(order_BxT, head, axis=1))
+    last = jnp.zeros((B, T), jnp.int32).at[rows, order_BxT].set(jnp.take_along_axis(order_BxT, tail, axis=1))
+    return first, last
+
+
 def tile_ranges(seg_BxT: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     """(first [n], last [n]) int32: query tile i needs key tiles first[i]..i, key tile j is needed by query tiles
-    j..last[j], over all rows of the batch. A token may attend back to the start of its run of equal segment ids
-    and be attended to up to the run's end (padding runs included: a superset of what the mask allows), and run
-    starts / ends only grow along a row, so each tile's first / last token decides."""
-    T = seg_BxT.shape[1]
+    j..last[j], over all rows of the batch. A token may attend back to the first position with its segment id and
+    be attended to up to the last one, whether or not the id's positions are contiguous (ids [1]*64 + [0]*128 +
+    [1]*64 included); padding (id 0) attends to itself only. The tiles in between are visited and masked."""
+    B, T = seg_BxT.shape
     t = jnp.arange(T)
-    start = t - segment_positions(seg_BxT)
-    end = t + segment_positions(seg_BxT[:, ::-1])[:, ::-1]
-    first = jnp.min(start[:, ::block], axis=0) // block
-    last = jnp.max(end[:, block - 1::block], axis=0) // block
+    first_BxT, last_BxT = _occurrences(seg_BxT)
+    start = jnp.where(seg_BxT > 0, first_BxT, t)
+    end = jnp.where(seg_BxT > 0, last_BxT, t)
+    first = jnp.min(start.reshape(B, T // block, block), axis=(0, 2)) // block
+    last = jnp.max(end.reshape(B, T // block, block), axis=(0, 2)) // block
     return first.astype(jnp.int32), last.astype(jnp.int32)
 
 

@@ -24,6 +24,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from sage_jax import logging as slog
+from sage_jax.save_errors import disk_full as _disk_full, quiet_failures as _quiet_failures
 
 log = pylogging.getLogger(__name__)
 
@@ -76,23 +77,26 @@ _EXPECTED_FILES = ("state/_METADATA", "state/manifest.ocdbt", "meta/metadata")
 
 @contextlib.contextmanager
 def deferred_interrupt():
-    """Hold a Ctrl-C (SIGINT) that arrives inside the block and deliver it when the block ends.
+    """Hold a Ctrl-C (SIGINT) or SIGTERM that arrives inside the block and deliver it when the block ends.
 
     orbax's wait for a previous save catches BaseException, so a KeyboardInterrupt raised inside a save or a wait was
-    logged and dropped and the run went on (the interrupted run finished, or kept training). Held here, the interrupt
-    reaches the caller once the checkpoint call has returned, with the checkpoint complete. Main thread only (where
-    Python runs signal handlers); elsewhere the block runs as is."""
+    logged and dropped and the run went on (the interrupted run finished, or kept training). Held here, the signal
+    reaches the caller once the checkpoint call has returned, with the checkpoint complete (a SIGTERM left at its
+    default then ends the process only after the save). Main thread only (where Python runs signal handlers);
+    elsewhere the block runs as is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     held: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    hold = lambda signum, frame: held.append(signum)
+    previous = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        if held:
-            signal.raise_signal(signal.SIGINT)  # now to the handler the block replaced (KeyboardInterrupt by default)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for s in dict.fromkeys(held):
+            signal.raise_signal(s)  # now to the handler the block replaced (KeyboardInterrupt for SIGINT by default)
 
 
 def _cause_text(e: BaseException, limit: int = 300) -> str:
@@ -141,12 +145,27 @@ class Checkpointer:
         """
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   meta=ocp.args.JsonSave(_jsonable(dict(meta or {}))))
-        with deferred_interrupt():
-            return bool(self._manager.save(int(step), args=args, force=force))
+        with deferred_interrupt(), _quiet_failures():
+            try:
+                return bool(self._manager.save(int(step), args=args, force=force))
+            except Exception as e:
+                self._raise_disk_full(e, step)
+                raise
+
+    def _raise_disk_full(self, e: BaseException, step: int) -> None:
+        if _disk_full(e):
+            done = [s for s in self.all_steps() if s != int(step)]
+            raise CheckpointError(f"cannot write checkpoint step {step} in {self.directory}: no space left on device; "
+                                  f"free space there or rerun with a --workdir on a disk with room (the newest "
+                                  f"complete checkpoint is step {done[-1] if done else 'none'})") from None
 
     def wait(self) -> None:
-        with deferred_interrupt():
-            self._manager.wait_until_finished()
+        with deferred_interrupt(), _quiet_failures():
+            try:
+                self._manager.wait_until_finished()
+            except Exception as e:
+                self._raise_disk_full(e, -1)
+                raise
 
     def close(self) -> None:
         with deferred_interrupt():
@@ -174,12 +193,7 @@ class Checkpointer:
         """Raise CheckpointError naming every field where the newest checkpoint's model differs from `model_meta`
         (see model_meta()); checked before restoring, since a restore into other shapes fails deep inside orbax."""
         step = self.latest_step()
-        if step is None:
-            return
-        try:
-            meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-        except Exception:  # noqa: BLE001 - an unreadable step is the fallback's business, in restore()
-            return
+        meta = None if step is None else self.read_meta(step)
         saved = meta.get("model") if isinstance(meta, dict) else None
         if not isinstance(saved, dict):
             return  # written before model meta was stored
@@ -188,6 +202,13 @@ class Checkpointer:
         if diff:
             raise CheckpointError(f"the checkpoints in {self.directory} were made with a different model ("
                                   f"{'; '.join(diff)}): rerun with the original model config, or use a new --workdir")
+
+    def read_meta(self, step: int) -> Any:
+        """The JSON meta of checkpoint `step`, or None if it cannot be read (restore() handles unreadable steps)."""
+        try:
+            return self._manager.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        except Exception:  # noqa: BLE001 - an unreadable step is the fallback's business, in restore()
+            return None
 
     # -- restoring ----------------------------------------------------------------------------------------------
     def _restore_step(self, step: int, abstract_state: Any) -> tuple[int, Any, dict[str, Any]]:

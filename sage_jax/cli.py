@@ -49,22 +49,38 @@ def parse(argv: Sequence[str] | None, description: str, extra: Callable[[argpars
 
 
 def main_guard(fn: Callable[[], int | None]) -> None:
-    """Run an entry point; user errors exit with one clear line instead of a traceback."""
+    """Run an entry point; user errors exit with one clear line instead of a traceback. A SIGTERM ends it like a
+    Ctrl-C (exit 143 instead of 130); inside a training loop both stop at the next step boundary after a checkpoint
+    (run_guard.StepStop)."""
     from sage_jax import config as config_lib
+    from sage_jax import run_guard
     from sage_jax.checkpoint import CheckpointError
     from sage_jax.logging import NonFiniteLossError
+    run_guard.raise_on_sigterm()
+    as_main = getattr(fn, "__module__", None) == "__main__"  # a `python -m` run, not a caller in this process
     try:
         sys.exit(fn() or 0)
-    except KeyboardInterrupt:
-        print("\ninterrupted: rerun the same command to resume from the last checkpoint", file=sys.stderr)
-        if getattr(fn, "__module__", None) == "__main__":  # a `python -m` run, not a caller in this process
-            _exit_now(130)
-        sys.exit(130)
+    except run_guard.Stopped as e:
+        print(e.message, file=sys.stderr)
+        if as_main:
+            _exit_now(e.code)
+        raise
+    except KeyboardInterrupt as e:
+        code = 143 if isinstance(e, run_guard.Terminated) else 130
+        what = "terminated (SIGTERM)" if code == 143 else "interrupted"
+        print(f"\n{what}: rerun the same command to resume from the last checkpoint", file=sys.stderr)
+        if as_main:
+            _exit_now(code)
+        sys.exit(code)
     except (config_lib.ConfigError, NonFiniteLossError, CheckpointError, *USER_ERRORS) as e:
         if os.environ.get("SAGE_DEBUG"):
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
+        if as_main:  # orbax / tensorstore threads still running would print tracebacks at interpreter shutdown
+            _exit_now(2)
         sys.exit(2)
+    finally:
+        run_guard.release_all()
 
 
 def _exit_now(code: int) -> None:
@@ -76,12 +92,16 @@ def _exit_now(code: int) -> None:
         except (OSError, ValueError):
             pass
     pylogging.shutdown()
+    from sage_jax import run_guard
+    run_guard.release_all()  # os._exit skips the `finally` that would
     os._exit(code)
 
 
 def setup_runtime(workdir: str) -> None:
-    from sage_jax import sharding
+    """Distributed runtime, the workdir and its lock (held until the process ends: one run per workdir), logging."""
+    from sage_jax import run_guard, sharding
     from sage_jax import logging as slog
     sharding.initialize_distributed()
     os.makedirs(workdir, exist_ok=True)
+    run_guard.acquire(workdir)
     slog.setup_python_logging(workdir, pylogging.INFO)

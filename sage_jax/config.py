@@ -35,14 +35,45 @@ def load_file(spec: str) -> ml_collections.ConfigDict:
     module_name = "_sage_config_" + os.path.splitext(os.path.basename(path))[0]
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    try:
+        module_spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ConfigError(f"{e.filename or path}:{e.lineno}: syntax error in the config file ({e.msg})") from None
+    except Exception as e:  # a failing import or statement at the file's top level
+        raise ConfigError(f"{_failing_line(e, path)}: the config file fails to load ({type(e).__name__}: {e})"
+                          ) from None
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path} has no get_config(arg) function")
-    config = module.get_config(arg or None)
+    _check_arg(module, path, arg)
+    try:
+        config = module.get_config(arg or None)
+    except (ConfigError, KeyError, ValueError) as e:
+        raise ConfigError(f"{path}:{arg}: {e}") from None
     if not isinstance(config, ml_collections.ConfigDict):
         raise ConfigError(f"{path}: get_config must return an ml_collections.ConfigDict")
     config.lock()
     return config
+
+
+def _failing_line(e: BaseException, path: str) -> str:
+    """`file:line` of the innermost traceback frame inside the config file (else its last frame)."""
+    import traceback
+    frames = traceback.extract_tb(e.__traceback__)
+    mine = [f for f in frames if os.path.abspath(f.filename) == os.path.abspath(path)]
+    frame = (mine or frames or [None])[-1]
+    return f"{frame.filename}:{frame.lineno}" if frame else path
+
+
+def _check_arg(module, path: str, arg: str) -> None:
+    """A config that names its accepted args (ARGS: a tuple, or a function returning one) rejects any other, so a
+    typo such as cpu_demo.py:quikc is an error instead of a silent default."""
+    accepted = getattr(module, "ARGS", None)
+    if accepted is None or not arg:
+        return
+    accepted = tuple(accepted() if callable(accepted) else accepted)
+    if arg not in accepted:
+        raise ConfigError(f"{path}:{arg}: unknown config argument {arg!r}; {os.path.basename(path)} accepts "
+                          f"{', '.join(map(repr, accepted)) or 'no argument'}")
 
 
 def _parse_value(text: str, current: Any, key: str) -> Any:

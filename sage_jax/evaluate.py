@@ -125,6 +125,10 @@ def reward_for(name: str, task: str) -> str:
     base = split_name(name)[0]
     if base in COUNTDOWN_SETS:
         return "countdown"
+    looks_like_a_path = "://" in base or os.sep in base or base.endswith((".jsonl", ".json", ".parquet"))
+    if base not in DATASETS and not looks_like_a_path and not os.path.exists(base):
+        raise ValueError(f"unknown dataset {name!r}: name one of {', '.join(sorted([*DATASETS, *COUNTDOWN_SETS]))}, "
+                         "or give a .jsonl / .parquet file or folder (or hf://...)")
     if task == "countdown":
         raise ValueError(f"dataset {name!r} does not suit a countdown model (character tokenizer); evaluate it on "
                          "countdown or countdown_ood")

@@ -129,8 +129,12 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
     out = {}
     for f in files:
-        with safe_open(f, framework="numpy") as handle:
-            out |= {name: f for name in handle.keys()}
+        try:
+            with safe_open(f, framework="numpy") as handle:
+                out |= {name: f for name in handle.keys()}
+        except Exception as e:  # safetensors raises SafetensorError (not exported as a stable type) for a bad header
+            raise ValueError(f"{f} is incomplete or not a safetensors file ({type(e).__name__}: {e}; "
+                             f"{f.stat().st_size} bytes): download it again") from None
     return out
 
 

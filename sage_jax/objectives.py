@@ -113,12 +113,21 @@ def sequence_forward_kl(logp_NxC: jax.Array, coef_N: jax.Array, mask_NxC: jax.Ar
     """Per-token term whose gradient is -c_i grad log pi(y_i,t) (see forward_kl_coefficients).
 
     Its value is each row's share (c+1) log(c+1) of the group's estimate sum_i w^_i log(G w^_i) of KL(m~ || pi),
-    the same on every token of the row, so seq-mean-token-mean logs the per-group estimate.
+    the same on every token of the row. Summed over each row (sequence_forward_kl_loss), never through a per-row
+    token mean: that would weigh row i by 1/|y_i| and favour short completions.
     """
     coef_Nx1 = sg(coef_N.astype(jnp.float32))[:, None]
     share_Nx1 = (coef_Nx1 + 1.0) * jnp.log(jnp.maximum(coef_Nx1 + 1.0, 1e-30))
     value_NxC = share_Nx1 - coef_Nx1 * (logp_NxC - sg(logp_NxC))
     return jnp.where(mask_NxC > 0, value_NxC, 0.0)
+
+
+def sequence_forward_kl_loss(logp_NxC: jax.Array, coef_N: jax.Array, mask_NxC: jax.Array, norm_len: int = 0
+                             ) -> jax.Array:
+    """mean_i sum_t sequence_forward_kl / L, L = norm_len or C: a constant, whatever loss.aggregation is, so the
+    gradient is -(1/(N L)) sum_i c_i grad log pi(y_i), the forward KL's over whole completions (rows of any length)."""
+    summed = (sequence_forward_kl(logp_NxC, coef_N, mask_NxC) * mask_NxC).sum(-1)
+    return summed.mean() / (norm_len or logp_NxC.shape[-1])
 
 
 # --------------------------------------------------------------------------------------------------- peers' options
@@ -316,25 +325,28 @@ def loss_from_logprobs(logp_NxC: jax.Array, entropy_NxC: jax.Array, batch: Mappi
         cov_NxC, cov_selected_NxC = kl_cov_penalty(logp_NxC, old_logp_NxC, adv_N, mask_NxC, loss_cfg.kl_cov_ratio,
                                                    loss_cfg.kl_cov_coef)
     bonus_NxC = -loss_cfg.entropy_coef * entropy_NxC if loss_cfg.entropy_coef else jnp.zeros_like(pg_NxC)
+    kl_seq = 0.0  # forward-seq: over whole completions, outside the per-token aggregation
     if loss_cfg.kl_in_loss and loss_cfg.kl_estimator in SEQUENCE_ESTIMATORS:
         if batch.get("seq_kl_coef") is None:
             raise ValueError(f"loss.kl_estimator={loss_cfg.kl_estimator!r} needs batch['seq_kl_coef'] "
                              "(objectives.forward_kl_coefficients over each group; trainer.rl_step adds it).")
-        kl_NxC = loss_cfg.beta * sequence_forward_kl(logp_NxC, batch["seq_kl_coef"], mask_NxC)
+        kl_seq = loss_cfg.beta * sequence_forward_kl_loss(logp_NxC, batch["seq_kl_coef"], mask_NxC,
+                                                          loss_cfg.norm_len)
+        kl_NxC = jnp.zeros_like(pg_NxC)
     elif loss_cfg.kl_in_loss:
         kl_NxC = loss_cfg.beta * kl_term(logp_NxC, ref_logp_NxC, log_q_NxC, loss_cfg.kl_estimator, mask_NxC)
     else:
         kl_NxC = jnp.zeros_like(pg_NxC)
     agg = lambda x_NxC: aggregate(x_NxC, mask_NxC, loss_cfg.aggregation, loss_cfg.norm_len,
                                   batch.get("tokens_per_row"))
-    loss = agg(pg_NxC + kl_NxC + cov_NxC + bonus_NxC)
+    loss = agg(pg_NxC + kl_NxC + cov_NxC + bonus_NxC) + kl_seq
 
     count = jnp.maximum(mask_NxC.sum(), 1.0)
     token_mean = lambda x_NxC: (sg(x_NxC) * mask_NxC).sum() / count
     metrics = {
         "loss/total": loss,
         "loss/policy": agg(sg(pg_NxC)),
-        "loss/kl": agg(sg(kl_NxC)),
+        "loss/kl": agg(sg(kl_NxC)) + sg(kl_seq),
         "loss/kl_cov": agg(sg(cov_NxC)),
         "loss/entropy_bonus": agg(sg(bonus_NxC)),
         # k3 is the one estimator that is non-negative per token, so it is what every arm logs

@@ -93,6 +93,10 @@ def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                         "$SAGE_JAX_PLAN_CACHE or ~/.cache/sage_jax/plan; 'off': compile everything)")
     parser.add_argument("--json", default="", help="write the report as one JSON line to this file ('-': stdout)")
     args = parser.parse_args([a for a in argv if not a.startswith("--config.")])
+    if args.topology and not re.fullmatch(r"[1-9]\d*(x[1-9]\d*){1,2}", args.topology):
+        parser.error(f"--topology {args.topology!r} is not a slice shape: write AxB or AxBxC, e.g. 2x4x4 (v5p-64)")
+    if args.memory_gb is not None and not args.memory_gb > 0:
+        parser.error(f"--memory-gb {args.memory_gb:g}: must be > 0 (memory per device in GB)")
     if args.compiler == "cpu" and args.devices < 1:
         parser.error("--compiler cpu needs --devices N >= 1 (the number of simulated devices)")
     if args.compiler == "tpu":

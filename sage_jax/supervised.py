@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sage_jax import checkpoint, model as model_lib, sharding, tasks, train_state
+from sage_jax import checkpoint, model as model_lib, run_guard, run_record, sharding, tasks, train_state
 from sage_jax import logging as slog
 from sage_jax.data import loaders
 
@@ -78,7 +78,10 @@ def run_sft(config, workdir: str, task: tasks.Task | None = None):
     rules = dict(config.mesh.rules)
     mesh = sharding.make_mesh(tuple(config.mesh.shape))
     task = task or tasks.build(config)
-    with jax.set_mesh(mesh), sharding.use_rules(rules):
+    with jax.set_mesh(mesh), sharding.use_rules(rules), run_guard.locked(workdir):
+        ckpt = checkpoint.Checkpointer(workdir, keep=2)  # the newest may not be proven finite yet
+        if (ckpt.latest_step() or 0) < s.steps:  # a finished SFT trains no more: its settings no longer matter
+            run_record.check_resume(config, ckpt, workdir, sft=True)
         cfg, params = train_state.load_or_init_params(config, mesh, rules, task.tokenizer)
         tokens, mask, loss_mask = tokenize(task, demonstrations(config, task), config.data.max_prompt_len +
                                            config.rollout.max_new_tokens)
@@ -90,7 +93,6 @@ def run_sft(config, workdir: str, task: tasks.Task | None = None):
         del params
         step_fn = train_state.make_train_step(cfg, None, tx, schedule, config.seed, 1, shardings,
                                               loss_fn=lambda p, b, c, _l, _s, _k: sft_loss(p, b, c))
-        ckpt = checkpoint.Checkpointer(workdir, keep=2)  # the newest may not be proven finite yet
         ckpt.check_model(checkpoint.model_meta(cfg))
         restored = ckpt.restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                                              state))
@@ -106,7 +108,11 @@ def run_sft(config, workdir: str, task: tasks.Task | None = None):
         order = np.concatenate([rng.permutation(n) for _ in range(-(-s.steps * s.batch_size // n) + 1)])
         every = s.get("ckpt_every", s.steps) or s.steps
         t0 = time.perf_counter()
-        for step in range(start, s.steps):
+        meta = lambda done: {"sft_step": done, "model": checkpoint.model_meta(cfg),
+                             "config": run_record.as_record(config)}
+        stop = run_guard.StepStop("SFT step", ckpt, lambda done: ckpt.save(done, state, meta(done)),
+                                  closers=(progress, logger))  # on SIGTERM / SIGINT
+        for step in stop.steps(start, s.steps):
             rows = order[step * s.batch_size:(step + 1) * s.batch_size]
             put = lambda a: jax.device_put(a, sharding.data_sharding(mesh, a.ndim))
             batch = {"tokens": put(tokens[rows]), "mask": put(mask[rows]), "loss_mask": put(loss_mask[rows]),
@@ -120,7 +126,7 @@ def run_sft(config, workdir: str, task: tasks.Task | None = None):
                 logger.log(step, values)
                 progress.update(done, {"sft/loss": values["sft/loss"]})
             if done % every == 0 or done == s.steps:
-                ckpt.save(done, state, {"sft_step": done, "model": checkpoint.model_meta(cfg)})
+                ckpt.save(done, state, meta(done))
                 watch.saved(done)
         progress.close()
         ckpt.wait()

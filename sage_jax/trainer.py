@@ -23,7 +23,7 @@ from sage_jax import (checkpoint, evaluation, guides, lora, objectives, offpolic
 from sage_jax import config as config_lib
 from sage_jax import logging as slog
 from sage_jax import model as model_lib
-from sage_jax import step_timing, train_state
+from sage_jax import run_guard, run_record, step_timing, train_state
 from sage_jax.rewards.pool import RewardPool
 from sage_jax.rollouts import collect_rollouts  # trainer.collect_rollouts: rl_step's CollectFn in run_rl
 
@@ -246,13 +246,14 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
     k = tr.get("off_policy_steps", 0)
     mesh, rollout_mesh = sharding.make_meshes(tuple(config.mesh.shape), config.mesh.get("rollout_devices", 0))
     task = task or tasks.build(config)
-    with jax.set_mesh(mesh), sharding.use_rules(rules):
+    with jax.set_mesh(mesh), sharding.use_rules(rules), run_guard.locked(workdir):
         ctx, state = setup_rl(config, mesh, rules, task.tokenizer, params_override)
         ckpt = checkpoint.Checkpointer(os.path.join(workdir, "rl"), keep=tr.keep_ckpts)
         ckpt.check_model(checkpoint.model_meta(ctx.cfg))
+        run_record.check_resume(config, ckpt, workdir)  # a resume with other settings stops here, or is recorded
         state, start = _restore(ckpt, state, workdir)
-        logger = slog.MetricsLogger(workdir, config.to_dict(), use_tensorboard=tr.use_tensorboard,
-                                    use_wandb=tr.use_wandb, resume_step=start)
+        logger = slog.MetricsLogger(workdir, None if start else config.to_dict(), use_tensorboard=tr.use_tensorboard,
+                                    use_wandb=tr.use_wandb, resume_step=start)  # a resume keeps config.json
         summary = Summary(os.path.join(workdir, "summary.json"))
         with RewardPool(tr.reward or task.reward, num_workers=tr.reward_workers, timeout_s=tr.reward_timeout,
                         memory_mb=tr.reward_memory_mb) as pool, offpolicy.Pipeline(
@@ -266,7 +267,15 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
             late, watch = slog.LateMetrics(), checkpoint.FiniteWatch(ckpt, start if start else None)
             progress = slog.Progress(total=tr.steps, initial=start, enabled=tr.progress and jax.process_index() == 0)
             report = lambda m: _report(m, logger, progress, watch)
-            for step in range(start, tr.steps):
+            meta = lambda done: {"rl_step": done, "seed": config.seed, "model": checkpoint.model_meta(ctx.cfg),
+                                 "config": run_record.as_record(config)}
+
+            def save(done: int) -> None:
+                collect.save(done, keep=ckpt.all_steps())  # the batch in flight, for a resume at `done`
+                ckpt.save(done, state, meta(done))
+            stop = run_guard.StepStop("RL step", ckpt, save,
+                                      lambda: report(late.flush()), (progress, logger))  # on SIGTERM / SIGINT
+            for step in stop.steps(start, tr.steps):
                 state, metrics, host, ro = rl_step(ctx, state, step, collect)
                 report(late.push(step, metrics))
                 logger.log(step, host)
@@ -277,9 +286,7 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
                 done = step + 1
                 if done % tr.ckpt_every == 0 or done == tr.steps:
                     report(late.flush())
-                    collect.save(done, keep=ckpt.all_steps())  # the batch in flight, for a resume at `done`
-                    ckpt.save(done, state, {"rl_step": done, "seed": config.seed,
-                                            "model": checkpoint.model_meta(ctx.cfg)})
+                    save(done)
                     watch.saved(done)
                 if tr.eval_every and done % tr.eval_every == 0 and done != tr.steps:
                     collect.drain()  # the reward pool is the evaluation's now

@@ -46,9 +46,29 @@ def test_tile_ranges_skip_tiles_between_sequences():
     seg = jnp.asarray([[1] * 6 + [2] * 3 + [3] * 7 + [0] * 8, [1] * 10 + [2] * 10 + [0] * 4], jnp.int32)
     first, last = attention.tile_ranges(seg, 4)
     # query tile 2 (8..11): row 0's token 8 starts at 6 (tile 1), row 1's token 8 at 0 (tile 0)
-    np.testing.assert_array_equal(first, [0, 0, 0, 2, 2, 4])
-    # key tile 0 (0..3): row 1's sequence runs to 9 (tile 2); padding [16, 24) / [20, 24) ends with the row
-    np.testing.assert_array_equal(last, [2, 2, 4, 4, 5, 5])
+    # padding attends to itself only: query tile 5 (20..23) is padding in both rows
+    np.testing.assert_array_equal(first, [0, 0, 0, 2, 2, 5])
+    # key tile 0 (0..3): row 1's sequence runs to 9 (tile 2); key tile 4 is row 1's sequence 2 (to 19) or padding
+    np.testing.assert_array_equal(last, [2, 2, 4, 4, 4, 5])
+
+
+def test_blockwise_equals_naive_for_non_contiguous_segment_ids():
+    """ids [1]*64 + [0]*128 + [1]*64: the last 64 tokens attend back to the first 64, across the padding."""
+    T = 256
+    seg = jnp.asarray(np.stack([[1] * 64 + [0] * 128 + [1] * 64, [2] * 100 + [1] * 56 + [2] * 100]), jnp.int32)
+    first, last = attention.tile_ranges(seg, 64)
+    np.testing.assert_array_equal(first, [0, 0, 0, 0])
+    np.testing.assert_array_equal(last, [3, 3, 3, 3])
+    q, k, v = _qkv(T=T, seed=7)
+    w = jax.random.normal(jax.random.key(8), q.shape)
+    real = (seg > 0)[:, :, None, None]
+    loss = lambda fn: lambda q, k, v: jnp.sum(jnp.where(real, jnp.sin(fn(q, k, v, seg)) * w, 0.0))
+    blocked = lambda *a: attention.blockwise(*a, block=64)
+    np.testing.assert_allclose(np.where(real, blocked(q, k, v, seg), 0),
+                               np.where(real, attention.naive(q, k, v, seg), 0), atol=2e-5)
+    for a, b in zip(jax.grad(loss(blocked), argnums=(0, 1, 2))(q, k, v),
+                    jax.grad(loss(attention.naive), argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b, atol=5e-5)
 
 
 def test_blockwise_equals_naive_where_tiles_are_skipped():

@@ -38,9 +38,39 @@ def _prepare_other_model(tmp: Path) -> dict:
     return {}
 
 
+def _prepare_seed0_checkpoint(tmp: Path) -> dict:
+    """A checkpoint made with the tiny config as it is (seed 0, k3)."""
+    import jax.numpy as jnp
+    from sage_jax import checkpoint, config, run_record
+    ck = checkpoint.Checkpointer(tmp / "wd" / "rl")
+    ck.save(2, {"w": jnp.zeros(2)}, {"rl_step": 2, "config": run_record.as_record(config.load(str(ROOT / TINY)))})
+    ck.close()
+    return {}
+
+
+def _prepare_live_lock(tmp: Path) -> dict:
+    """The workdir locked by a live process (this test's)."""
+    import socket
+    (tmp / "wd").mkdir()
+    (tmp / "wd" / "run.lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    return {}
+
+
 def _prepare_samples(tmp: Path) -> dict:
     (tmp / "good.jsonl").write_text(json.dumps({"completion": "x", "reward": 1.0}) + "\n")
     (tmp / "bad.jsonl").write_text('{"completion": "x"}\n{"completion": "y",}\n')
+    return {}
+
+
+def _prepare_bad_configs(tmp: Path) -> dict:
+    (tmp / "bad_syntax.py").write_text("def get_config(arg=None):\n    return (\n")
+    (tmp / "bad_import.py").write_text('"""A config whose import fails."""\n\nimport no_such_module_xyz\n')
+    return {}
+
+
+def _prepare_non_utf8_demos(tmp: Path) -> dict:
+    (tmp / "demos.jsonl").write_bytes(b'{"prompt": "1+1", "completion": "2"}\n'
+                                      b'{"prompt": "caf\xe9", "completion": "x"}\n')
     return {}
 
 
@@ -74,6 +104,22 @@ CASES = [
     ("corrupt summary.json", ["sage_jax.train"], "summary.json", _prepare_summary, False),
     ("other model in workdir", ["sage_jax.train"], "hidden_size: checkpoint 32, config 64", _prepare_other_model,
      False),
+    ("resume with other settings", ["sage_jax.train", "--config.seed=7", "--config.loss.kl_estimator=k2"],
+     "loss.kl_estimator: checkpoint 'k3', now 'k2'; seed: checkpoint 0, now 7", _prepare_seed0_checkpoint, False),
+    ("workdir in use", ["sage_jax.train"], f"in use by another run (pid {os.getpid()} on host", _prepare_live_lock,
+     False),
+    ("workdir in use (sft)", ["sage_jax.sft"], f"in use by another run (pid {os.getpid()} on host", _prepare_live_lock,
+     False),
+    ("config syntax error", ["sage_jax.train", "--config", "{tmp}/bad_syntax.py"], "bad_syntax.py:2: syntax error",
+     _prepare_bad_configs, True),
+    ("config import fails", ["sage_jax.train", "--config", "{tmp}/bad_import.py"],
+     "bad_import.py:3: the config file fails to load (ModuleNotFoundError", _prepare_bad_configs, True),
+    ("config argument typo", ["sage_jax.train", "--config", "configs/cpu_demo.py:quikc"],
+     "unknown config argument 'quikc'; cpu_demo.py accepts 'quick'", None, True),
+    ("config argument to a config without any", ["sage_jax.train", "--config", "configs/tiny_test.py:fast"],
+     "tiny_test.py accepts no argument", None, True),
+    ("non-UTF-8 data file", ["sage_jax.sft", "--config.sft.data={tmp}/demos.jsonl", "--config.sft.steps=1"],
+     "demos.jsonl:2: not UTF-8 text", _prepare_non_utf8_demos, False),
     ("patterns: missing file", ["sage_jax.patterns", "{tmp}/good.jsonl", "{tmp}/missing.jsonl"], "missing.jsonl",
      _prepare_samples, False),
     ("patterns: bad JSON", ["sage_jax.patterns", "{tmp}/good.jsonl", "{tmp}/bad.jsonl"],
@@ -131,4 +177,116 @@ def test_ctrl_c_exits_130_with_a_resume_hint(tmp_path):
         _, err = proc.communicate()
         pytest.fail("the run did not exit within 120 s of its SIGINT; its threads' stacks:\n" + err[-8000:])
     assert proc.returncode == 130, err[-3000:]
-    assert "interrupted: rerun the same command" in err and "Traceback" not in err
+    # inside the step loop a Ctrl-C stops at the step boundary, after a checkpoint of the last completed step
+    assert "stopped by SIGINT after RL step " in err and "resume with: python -m" in err and "Traceback" not in err
+
+
+def _start(cmd, workdir: Path):
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=default_sigint)
+
+
+def _wait_for(proc, path: Path, what: str):
+    deadline = time.time() + 300
+    while not (path.exists() and path.stat().st_size):  # the logger creates its files empty before the loop
+        assert proc.poll() is None and time.time() < deadline, f"run ended before {what}: {proc.stderr.read()[-3000:]}"
+        time.sleep(0.2)
+
+
+def _stopped_at(err: str, what: str) -> int:
+    import re
+    stops = [line for line in err.splitlines() if line.startswith(f"stopped by SIGTERM after {what} ")]
+    assert len(stops) == 1 and "resume with: python -m sage_jax." in stops[0], err[-3000:]
+    return int(re.search(rf"after {what} (\d+):", stops[0]).group(1))
+
+
+def test_sigterm_saves_the_last_step_and_a_second_run_on_the_workdir_exits_2(tmp_path):
+    """kill -TERM mid-run: a checkpoint of the last completed step (not on the ckpt_every cadence), exit 143, one
+    line naming the step; a second run on the live workdir exits 2 at once naming the holder; the rerun resumes."""
+    workdir = tmp_path / "wd"
+    train = [sys.executable, "-m", "sage_jax.train", "--config", TINY, "--workdir", str(workdir)]
+    first = _start(train + ["--config.train.steps=100000", "--config.train.ckpt_every=100000"], workdir)
+    _wait_for(first, workdir / "samples.jsonl", "its first step")  # written at the end of step 0
+    second = subprocess.run(train, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-3000:]
+    assert second.stderr.strip().splitlines()[-1].startswith("error: the workdir ")
+    assert f"pid {first.pid} on host " in second.stderr
+    first.send_signal(signal.SIGTERM)
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 143 and "Traceback" not in err, err[-3000:]
+    step = _stopped_at(err, "RL step")
+    assert step >= 1 and (workdir / "rl" / "checkpoints" / str(step)).is_dir(), err[-3000:]
+    rows = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(set(rows)) == list(range(step)), rows  # the first run's steps only, each logged
+    assert not (workdir / "run.lock").exists()
+    rerun = subprocess.run(train + [f"--config.train.steps={step + 1}", "--config.train.ckpt_every=100000"],
+                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"at RL step {step}" in (workdir / "log.txt").read_text()
+    assert (workdir / "rl" / "checkpoints" / str(step + 1)).is_dir()
+
+
+def test_sigterm_during_sft_saves_and_resumes(tmp_path):
+    workdir = tmp_path / "wd"
+    sft = [sys.executable, "-m", "sage_jax.sft", "--config", TINY, "--workdir", str(workdir),
+           "--config.sft.batch_size=4", "--config.sft.num_demos=16"]
+    proc = _start(sft + ["--config.sft.steps=100000", "--config.sft.ckpt_every=100000"], workdir)
+    _wait_for(proc, workdir / "sft" / "metrics.jsonl", "its first step")
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    step = _stopped_at(err, "SFT step")
+    assert (workdir / "sft" / "checkpoints" / str(step)).is_dir()
+    rerun = subprocess.run(sft + [f"--config.sft.steps={step + 1}"], cwd=ROOT, env=_env(), capture_output=True,
+                           text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"SFT resumed at step {step}" in (workdir / "log.txt").read_text()
+
+
+@pytest.mark.parametrize("args,names", [
+    (["--topology", "2xx4"], "--topology '2xx4' is not a slice shape"),
+    (["--memory-gb", "-5"], "--memory-gb -5: must be > 0"),
+], ids=["malformed topology", "negative memory"])
+def test_plan_rejects_bad_shapes_and_sizes(args, names):
+    cmd = [sys.executable, "-m", "sage_jax.plan", "--config", TINY, "--devices", "1", "--compiler", "cpu", *args]
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert names in r.stderr.strip().splitlines()[-1], r.stderr
+
+
+def test_evaluate_names_an_unknown_dataset():
+    from sage_jax import evaluate
+    with pytest.raises(ValueError, match="unknown dataset 'bogusset'"):
+        evaluate.reward_for("bogusset", "countdown")
+    assert evaluate.reward_for("countdown", "countdown") == "countdown"
+    with pytest.raises(ValueError, match="does not suit a countdown model"):
+        evaluate.reward_for("math500", "countdown")
+
+
+def test_a_truncated_safetensors_file_is_named_as_incomplete(tmp_path):
+    import numpy as np
+    from safetensors.numpy import save_file
+    from sage_jax import hf_io
+    save_file({"w": np.zeros((64, 64), np.float32)}, str(tmp_path / "model.safetensors"))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[:40])  # a download cut short
+    with pytest.raises(ValueError, match=r"model.safetensors is incomplete or not a safetensors file"):
+        hf_io._checkpoint_files(tmp_path)
+
+
+def test_a_full_disk_is_one_error_line(tmp_path, monkeypatch):
+    """orbax failing with ENOSPC mid-save: a CheckpointError naming the step and the fix (cli prints it alone)."""
+    import jax.numpy as jnp
+    from sage_jax import checkpoint
+    ck = checkpoint.Checkpointer(tmp_path)
+    ck.save(1, {"w": jnp.zeros(2)})
+
+    def full(*args, **kwargs):
+        raise ValueError('RESOURCE_EXHAUSTED: Failed writing "x": No space left on device [os_error_code=\'28\']')
+    monkeypatch.setattr(ck._manager, "save", full)
+    with pytest.raises(checkpoint.CheckpointError, match="cannot write checkpoint step 2 .* no space left on device"
+                       ".* newest complete checkpoint is step 1"):
+        ck.save(2, {"w": jnp.zeros(2)})
+    monkeypatch.undo()
+    ck.close()

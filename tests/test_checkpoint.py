@@ -222,3 +222,91 @@ def test_countdown_tokenizer_exports_with_the_same_ids(tmp_path):
     assert loaded.decode(tok.encode(text + "") + [tok.eos_ids[0]], skip_special_tokens=True) == text
     with pytest.raises(ValueError, match="cannot export a tokenizer"):
         ckpt.hf_tokenizer(object())
+
+
+# --- one run per workdir, resumes with other settings (sage_jax.run_guard, sage_jax.run_record)
+
+def test_a_stale_lock_of_a_dead_process_is_taken_over_with_a_warning(tmp_path, caplog):
+    import json
+    import socket
+    import subprocess
+    import sys
+    from sage_jax import run_guard
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "run.lock").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "start": "1"}))
+    with caplog.at_level(logging.WARNING), run_guard.locked(str(tmp_path)):
+        assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+        with run_guard.locked(str(tmp_path)):  # re-entrant within the holder (train -> run_sft -> run_rl)
+            pass
+        assert (tmp_path / "run.lock").exists()
+    assert not (tmp_path / "run.lock").exists()
+    assert any("took over the stale lock" in r.getMessage() for r in caplog.records)
+    # a live holder (this test's parent process) is never taken over
+    (tmp_path / "run.lock").write_text(json.dumps({"pid": os.getppid(), "host": socket.gethostname()}))
+    with pytest.raises(run_guard.WorkdirBusy, match=f"pid {os.getppid()} on host"):
+        run_guard.acquire(str(tmp_path))
+
+
+def _tiny_config(*overrides):
+    from sage_jax import config as config_lib
+    return config_lib.load("configs/tiny_test.py", list(overrides))
+
+
+def test_resume_with_other_settings_is_refused_unless_allowed_and_then_recorded(tmp_path, monkeypatch):
+    import json
+    from sage_jax import config as config_lib, run_record
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    c = ckpt.Checkpointer(tmp_path / "rl")
+    c.save(2, {"w": jnp.zeros(2)}, {"rl_step": 2, "config": run_record.as_record(_tiny_config())})
+    # steps, cadences and evaluation settings may change
+    run_record.check_resume(_tiny_config("--config.train.steps=9", "--config.train.ckpt_every=4", "--config.eval.n=8",
+                                         "--config.eval.ks=1,8"), c, str(tmp_path))
+    changed = _tiny_config("--config.seed=7", "--config.loss.kl_estimator=k2", "--config.train.steps=3")
+    with pytest.raises(config_lib.ConfigError) as e:
+        run_record.check_resume(changed, c, str(tmp_path))
+    assert "loss.kl_estimator: checkpoint 'k3', now 'k2'" in str(e.value)
+    assert "seed: checkpoint 0, now 7" in str(e.value)
+    assert "train.steps" not in str(e.value) and "allow_config_change=True" in str(e.value)
+    assert not (tmp_path / run_record.CHANGES_FILE).exists()
+    with changed.unlocked():
+        changed.train.allow_config_change = True
+    run_record.check_resume(changed, c, str(tmp_path))
+    (entry,) = json.loads((tmp_path / run_record.CHANGES_FILE).read_text())
+    assert entry["step"] == 2 and entry["config"]["seed"] == 7
+    assert set(entry["changed"]) == {"seed", "loss.kl_estimator"}  # allow_config_change itself may change
+    assert entry["changed"]["seed"] == {"checkpoint": 0, "now": 7}
+    c.close()
+
+
+def test_step_stop_finishes_the_step_saves_it_and_a_second_signal_aborts(tmp_path):
+    import signal
+    from sage_jax import run_guard
+    c = ckpt.Checkpointer(tmp_path)
+    saved, closed = [], []
+
+    class Closer:
+        def close(self):
+            closed.append(True)
+    stop = run_guard.StepStop("RL step", c, lambda done: (saved.append(done), c.save(done, {"w": jnp.zeros(2)})),
+                              closers=(Closer(),))
+    previous = signal.getsignal(signal.SIGTERM)
+    ran = []
+    with pytest.raises(run_guard.Stopped) as e:
+        for step in stop.steps(3, 100):
+            ran.append(step)
+            if step == 4:
+                os.kill(os.getpid(), signal.SIGTERM)  # mid-step: the step still finishes
+    assert ran == [3, 4] and saved == [5] and c.all_steps() == [5] and closed == [True]
+    assert e.value.code == 143 and "stopped by SIGTERM after RL step 5: checkpoint saved at" in e.value.message
+    assert signal.getsignal(signal.SIGTERM) is previous  # the loop's handler is gone
+    # a second signal goes to the handler from before the loop (here: raise Terminated at once)
+    signal.signal(signal.SIGTERM, run_guard._raise_terminated)
+    try:
+        with pytest.raises(run_guard.Terminated):
+            for step in run_guard.StepStop("RL step", c, lambda done: None).steps(0, 10):
+                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGTERM)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    c.close()

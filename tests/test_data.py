@@ -164,3 +164,14 @@ def test_tfds_builder_builds_and_reads_back(tmp_path):
 def test_example_is_plain_dataclass():
     ex = Example("p", "a")
     assert ex.meta == {} and json.dumps(ex.__dict__)
+
+
+def test_non_utf8_bytes_and_a_null_answer_name_file_and_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"problem": "a", "answer": "1"}\n{"problem": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not UTF-8 text"):
+        loaders.load_file(bad)
+    null = tmp_path / "null.jsonl"
+    null.write_text('{"problem": "a", "answer": "1"}\n{"problem": "b", "answer": null}\n')
+    with pytest.raises(ValueError, match=r"null.jsonl:2: field 'answer' is null"):
+        loaders.load_file(null)

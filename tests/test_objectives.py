@@ -635,3 +635,28 @@ def _tree_grad_with(loss_cfg, reward_rows):
         batch = {"completion_mask": mask, "old_logp": sg(logp), "ref_logp": ref_logp, "advantages": adv}
         return obj.loss_from_logprobs(logp, entropy, batch, loss_cfg)[0]
     return jax.grad(loss)(TREE_PI)
+
+
+@pytest.mark.parametrize("aggregation", obj.AGGREGATIONS)
+def test_forward_seq_is_the_sequence_level_forward_kl_gradient_for_unequal_lengths(aggregation):
+    """-(beta / (N L)) sum_i c_i grad log pi(y_i) on completions of lengths 5, 1, 3, 2 under every aggregation (a
+    per-row token mean would weigh row i by 1/|y_i|)."""
+    N, C, V, beta = 4, 5, 3, 0.7
+    z = jax.random.normal(jax.random.key(0), (N, C, V))
+    tokens = jax.random.randint(jax.random.key(1), (N, C), 0, V)
+    mask = (jnp.arange(C)[None, :] < jnp.array([5, 1, 3, 2])[:, None]).astype(jnp.float32)
+    ref_logp = jax.random.normal(jax.random.key(2), (N, C)) - 1.0
+    logp_of = lambda z: jnp.take_along_axis(jax.nn.log_softmax(z, -1), tokens[..., None], -1)[..., 0]
+    coef = obj.forward_kl_coefficients(sg(logp_of(z)), ref_logp, None, mask, N)
+    assert np.ptp(np.asarray(coef)) > 0.1  # the rows do get different weights
+    loss_cfg = obj.LossConfig(kl_estimator="forward-seq", beta=beta, aggregation=aggregation, adv_scale="none")
+
+    def loss(z):
+        logp = logp_of(z)
+        batch = {"completion_mask": mask, "old_logp": sg(logp), "ref_logp": ref_logp, "advantages": jnp.zeros(N),
+                 "seq_kl_coef": coef}
+        batch = obj.with_batch_normaliser(batch, loss_cfg)
+        return obj.loss_from_logprobs(logp, jnp.zeros_like(logp), batch, loss_cfg)[0]
+
+    exact = jax.grad(lambda z: -beta / (N * C) * jnp.sum(coef * (logp_of(z) * mask).sum(-1)))(z)
+    np.testing.assert_allclose(jax.grad(loss)(z), exact, atol=1e-6)

@@ -220,7 +220,8 @@ def test_nan_run_leaves_a_checkpoint_that_a_sane_rerun_resumes(tmp_path):
     from sage_jax.logging import NonFiniteLossError
     trainer.run_rl(_tiny(**{"train.steps": 1}), str(tmp_path))
     with pytest.raises(NonFiniteLossError, match=r"at step 2 .*last good checkpoint: step 1 in "):
-        trainer.run_rl(_tiny(**{"train.steps": 3, "optim.lr": 1e30}), str(tmp_path))
+        trainer.run_rl(_tiny(**{"train.steps": 3, "optim.lr": 1e30, "train.allow_config_change": True}),
+                       str(tmp_path))
     ck = checkpoint.Checkpointer(tmp_path / "rl")
     assert ck.all_steps() == [1]  # step 2 was finite but led to the NaN: moved aside
     for s in ck.all_steps():

@@ -92,8 +92,13 @@ ANSWER_FORMATS: dict[str, Callable[[Any], str]] = {
 
 def read_jsonl(path: str | os.PathLike) -> Iterable[tuple[int, Row]]:
     """(line number, row) for every non-blank line; a line that is not a JSON object raises ValueError."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start:e.start + 1]!r} at column "
+                                 f"{e.start + 1}); re-encode the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -166,6 +171,8 @@ def rows_to_examples(
             raise ValueError(f"{where}: {e}") from None
         if not isinstance(problem, str):
             raise ValueError(f"{where}: field {problem_key!r} should be text, got {type(problem).__name__}")
+        if get_field(row, answer_key) is None:  # str(None) would make "None" the gold answer
+            raise ValueError(f"{where}: field {answer_key!r} is null; give the row its answer or drop the row")
         meta = {k: v for k, v in row.items() if k not in (problem_key, answer_key)}
         meta["id"] = str(row[id_key]) if id_key and id_key in row else f"{short}:{pos}"
         meta["source"] = where
