@@ -20,7 +20,7 @@ class Task:
     name: str
     reward: str  # a sage_jax.rewards.pool registry name
     tokenizer: Any  # encode(text) -> ids, decode(ids) -> text, eos_ids, pad_id
-    template: str  # sage_jax.data.templates name
+    template: str  # a sage_jax.data.templates name (for "chat" / "auto": the registered model template)
     train: list[Example]
     evals: dict[str, list[Example]]
 
@@ -116,6 +116,8 @@ def build(config, tokenizer_path: str = "") -> Task:
         raise ValueError(f"task {d.task!r} needs a tokenizer: set --config.model.path (an HF directory) or "
                          "--config.tokenizer_path")
     tokenizer = Tokenizer.from_pretrained(path)
+    from sage_jax.data import templates
+    template = templates.resolve_for(d, tokenizer)
     fields = dict(problem_key=d.problem_field or None, answer_key=d.answer_field or None)
     data_dir = d.data_dir or None
     if d.task == "kk":
@@ -124,12 +126,12 @@ def build(config, tokenizer_path: str = "") -> Task:
                                                                             config.seed))]
         evals = {name: loaders.load_dataset("kk", name, data_dir=data_dir, limit=limit)
                  for name in _split_names(d.eval)}
-        return Task("kk", "kk", tokenizer, d.template, train, evals)
+        return Task("kk", "kk", tokenizer, template, train, evals)
     if d.task != "math":
         raise ValueError(f"data.task={d.task!r}: choose 'math', 'kk' or 'countdown'")
     train = loaders.load_dataset(d.train, "train", data_dir=data_dir, **fields)
     evals = {name: loaders.load_dataset(name, "test", data_dir=data_dir, limit=limit) for name in _split_names(d.eval)}
-    return Task("math", "math", tokenizer, d.template, train, evals)
+    return Task("math", "math", tokenizer, template, train, evals)
 
 
 def _kk_example(puzzle: dict, i: int) -> Example:
