@@ -82,6 +82,23 @@ CASES = [
     (B("\\text{(C)}"), "C", True),
     (B("\\text{(C)}"), "D", False),
     (B("\\infty"), "\\infty", True),
+    # the final-answer statements real models write (see also tests/data/model_answers.jsonl)
+    ("... so she makes 9 * 2 = 18 dollars. The answer is 8.", "8", True),
+    ("The answer is: 18", "18", True),
+    ("**Answer:** 18", "18", True),
+    ("Final answer: $18$", "18", True),
+    ("The answer is $\\frac{1}{2}$.", "0.5", True),
+    ("The answer is 18 apples.", "18", True),
+    ("The answer is 4 + 5 = 9.", "9", True),
+    ("The answer is **$18.00**.", "18", True),
+    ("The final answer is \\( 12 \\).", "12", True),
+    ("Answer:\n\n18", "18", True),
+    ("The answer is 5.\nChecking again... The answer is 6.", "6", True),
+    ("The answer is 5.\nChecking again... The answer is 6.", "5", False),
+    ("The answer is 18 or 20.", "18", False),
+    ("The answer is not 18.", "18", False),
+    ("I am not sure what the answer is.", "18", False),
+    ("What is the answer? Let me add 10 + 8 = 18.", "18", False),
 ]
 
 
