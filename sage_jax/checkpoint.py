@@ -23,7 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from sage_jax import logging as slog
+from sage_jax import metrics_log as slog
 
 log = pylogging.getLogger(__name__)
 

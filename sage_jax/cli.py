@@ -52,7 +52,7 @@ def main_guard(fn: Callable[[], int | None]) -> None:
     """Run an entry point; user errors exit with one clear line instead of a traceback."""
     from sage_jax import config as config_lib
     from sage_jax.checkpoint import CheckpointError
-    from sage_jax.logging import NonFiniteLossError
+    from sage_jax.metrics_log import NonFiniteLossError
     try:
         sys.exit(fn() or 0)
     except KeyboardInterrupt:
@@ -81,7 +81,7 @@ def _exit_now(code: int) -> None:
 
 def setup_runtime(workdir: str) -> None:
     from sage_jax import sharding
-    from sage_jax import logging as slog
+    from sage_jax import metrics_log as slog
     sharding.initialize_distributed()
     os.makedirs(workdir, exist_ok=True)
     slog.setup_python_logging(workdir, pylogging.INFO)
