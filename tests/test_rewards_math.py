@@ -207,3 +207,24 @@ def test_verify_with_timeout_from_a_thread(tmp_path):
     assert out["hostile"] == [False] * len(out["hostile"])
     assert out["elapsed"] < 5.0 * len(out["hostile"])
     assert not target.exists()
+
+
+def _model_answers():
+    import json
+    from pathlib import Path
+    path = Path(__file__).parent / "data" / "model_answers.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("row", _model_answers(), ids=lambda r: r["source"].rsplit(" ", 1)[-1])
+def test_real_model_outputs_hand_labelled(row):
+    """Real SmolLM2-135M-Instruct outputs on GSM8K, labelled by hand: the reward against the gold answer, and the
+    final answer a reader takes from the text (None where it states no single answer) is what gets read."""
+    assert mr.verify(row["completion"], row["gold"]) is row["correct"]
+    if row["answer"] is not None:
+        assert mr.verify(row["completion"], row["answer"]), mr.extract_answer(row["completion"])
+
+
+def test_model_answer_set_has_both_kinds():
+    rows = _model_answers()
+    assert len(rows) >= 30 and sum(r["correct"] for r in rows) >= 3 and sum(not r["correct"] for r in rows) >= 20

@@ -17,8 +17,9 @@ _BOX_RE = re.compile(r"\\(?:boxed|fbox|framebox)\s*")
 # statement in the text wins, whichever form it has (a model restating its answer ends with the one it means).
 _MARKER_RE = re.compile(r"\banswers?\b(?:\*\*)?\s*(?:(?:is|was|would be|will be|should be)\b\s*:?|[:=])(?:\*\*)?"
                         r"|####", re.IGNORECASE)
+_BARE_NUMBER_RE = re.compile(r"\**\$?(-?\d[\d,]*(?:\.\d+)?)\**\.?")
 _LEAD_NUMBER_RE = re.compile(r"(-?\$?\d[\d,]*(?:\.\d+)?(?:/\d+)?)\s+[a-zA-Z][a-zA-Z\s',-]*\.?")
-_CHAIN_RESULT_RE = re.compile(r"[\d\s+\-*/x×().,$]+=\s*(-?\$?\d[\d,]*(?:\.\d+)?)\.?")
+_CHAIN_RESULT_RE = re.compile(r"[\d\s+\-*/x×().,$]+=\s*(-?\$?\d[\d,]*(?:\.\d+)?)(?:\s+[a-zA-Z][a-zA-Z\s',-]*)?\.?")
 
 _UNIT_WORDS = {
     "cm", "mm", "km", "m", "meter", "meters", "metre", "metres", "centimeter", "centimeters", "kilometer",
@@ -87,7 +88,7 @@ def _last_boxed(text: str) -> str | None:
         end = match.end()
         if end < len(text) and text[end] == "{":
             partner = _closing_braces(text) if partner is None else partner
-            if end in partner:
+            if end in partner and text[end + 1:partner[end]].strip():  # "within \boxed{}" echoed: not an answer
                 return text[end + 1:partner[end]]
         else:
             token = _BARE_TOKEN_RE.match(text, end)  # "\boxed 5"
@@ -131,6 +132,10 @@ def extract_answer(text: str) -> str | None:
     boxed = _last_boxed(text)
     if boxed is not None:
         return boxed.strip()
+    # asked for only the number, the reply is that number ("13", "**13**", "13 apples.")
+    bare = _BARE_NUMBER_RE.fullmatch(text.strip()) or _LEAD_NUMBER_RE.fullmatch(text.strip())
+    if bare:
+        return bare.group(1)
     return _marked_answer(text)
 
 
