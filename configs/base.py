@@ -39,7 +39,7 @@ def get_config(arg=None):
     # templates (sage_jax.data.templates: qwen_math_boxed, r1_think, plain) ignore system_prompt / instruction.
     c.data = ml_collections.ConfigDict(dict(
         task="math", train="math_train_l3to5", eval="math500", data_dir="", template="auto",
-        system_prompt="", instruction=templates.MATH_INSTRUCTION,
+        system_prompt="", instruction=templates.MATH_INSTRUCTION, answer_extraction="strict",
         problem_field="", answer_field="", max_prompt_len=2048, eval_problems=0,
         # countdown / kk generators
         num_train=2000, num_eval=200, num_numbers=3, max_number=15, ood_num_numbers=3, ood_max_number=25,

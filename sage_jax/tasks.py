@@ -23,6 +23,7 @@ class Task:
     template: str  # a sage_jax.data.templates name (for "chat" / "auto": the registered model template)
     train: list[Example]
     evals: dict[str, list[Example]]
+    answer_extraction: str = "strict"  # "last_number": math answers may be the reply's last number (rewards.math)
 
     def prompt_text(self, ex: Example) -> str:
         from sage_jax.data.templates import render
@@ -37,6 +38,8 @@ class Task:
             return {"numbers": ex.meta["numbers"], "target": ex.meta["target"]}
         if self.name == "kk":
             return ex.meta.get("gold", ex.answer)
+        if self.answer_extraction == "last_number":
+            return {"answer": ex.answer, "last_number": True}
         return ex.answer
 
     def train_batch(self, step: int, num_prompts: int, seed: int) -> list[Example]:
@@ -132,7 +135,10 @@ def build(config, tokenizer_path: str = "") -> Task:
     train = _math_set(d.train, "train", config, data_dir, fields=fields)
     evals = {name: _math_set(name, "test", config, data_dir, limit=limit, exclude=train)
              for name in _split_names(d.eval)}
-    return Task("math", "math", tokenizer, template, train, evals)
+    extraction = str(d.get("answer_extraction", "strict"))
+    if extraction not in ("strict", "last_number"):
+        raise ValueError(f"data.answer_extraction={extraction!r}: choose 'strict' or 'last_number'")
+    return Task("math", "math", tokenizer, template, train, evals, extraction)
 
 
 def _math_set(name: str, split: str, config, data_dir, fields=None, limit=None, exclude=()) -> list[Example]:

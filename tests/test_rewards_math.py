@@ -228,3 +228,13 @@ def test_real_model_outputs_hand_labelled(row):
 def test_model_answer_set_has_both_kinds():
     rows = _model_answers()
     assert len(rows) >= 30 and sum(r["correct"] for r in rows) >= 3 and sum(not r["correct"] for r in rows) >= 20
+
+
+def test_last_number_mode_reads_stated_answers_only_when_asked():
+    stated = "Tom has 3 boxes with 11 cards in each box, so he has 3 * 11 = 33 cards in total."
+    assert not mr.verify(stated, "33")  # strict (the default): no marked answer, no reward
+    assert mr.verify(stated, {"answer": "33", "last_number": True})
+    assert not mr.verify(stated, {"answer": "11", "last_number": True})
+    # a marked answer still wins over the last number
+    assert not mr.verify("The answer is 5. Then 33.", {"answer": "33", "last_number": True})
+    assert not mr.verify("no digits here", {"answer": "33", "last_number": True})

@@ -98,3 +98,31 @@ def test_convert_gguf_bad_input_is_one_error_line(tmp_path, case):
     assert "Traceback" not in r.stderr
     if case == "out_not_empty":
         assert (out / "keep.txt").read_text() == "work"
+
+
+def test_training_prompts_use_smollm2_chat_template(smol):
+    from sage_jax import config as config_lib, rollouts, tasks  # noqa: F401 - rollouts encodes task.encode_prompt
+    path, _, _, _, tok = smol
+    config = config_lib.load("configs/smollm2_cpu.py", [f"--config.model.path={path}"])
+    task = tasks.build(config)
+    ex = task.train[0]
+    user = config.data.instruction.replace("{problem}", ex.problem)
+    want = tok.hf.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
+    assert task.prompt_text(ex) == want
+    assert want.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")  # the model's default
+    assert task.encode_prompt(ex) == tok.encode(want)
+
+
+def test_export_config_fields_equal_the_source_models(smol, tmp_path):
+    import json
+    from sage_jax import checkpoint
+    path, cfg, params, _, tok = smol
+    run_cfg = cfg.replace(eos_token_ids=tuple(tok.eos_ids), pad_token_id=tok.pad_id)  # as train_state sets them
+    assert run_cfg.eos_token_ids == (2, 0)  # <|im_end|> and <|endoftext|>: the run stops on both
+    out = Path(checkpoint.export_hf(tmp_path, run_cfg, params, tok))
+    source = json.loads((path / "config.json").read_text())
+    exported = json.loads((out / "config.json").read_text())
+    drop = lambda d: {k: v for k, v in d.items() if k not in ("dtype", "torch_dtype")}
+    assert drop(exported) == drop(source)
+    assert exported["eos_token_id"] == 2 and exported["unk_token_id"] == 0
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [2, 0]

@@ -75,7 +75,7 @@ def measure(config, candidates: list[str], problems: int, n: int, out_dir: str) 
         sampling = dict(max_new_tokens=ev.max_new_tokens, temperature=ev.temperature, top_p=ev.top_p, min_p=ev.min_p)
         generate_fn = evaluation.make_generate_fn(cfg, params, task.tokenizer.decode, sampling, config.seed,
                                                   max_rows=8 * n)
-        reward = lambda text, ex: math_reward.score(text, ex.answer)
+        reward = lambda text, ex, t=task: math_reward.score(text, t.gold(ex))
         evaluation.evaluate(task.tokenizer, examples, reward, n=n, ks=[1, n], out_dir=f"{out_dir}/{name}",
                             generate_fn=generate_fn, batch_problems=8, template=task.template, run_name=name,
                             progress=False)
