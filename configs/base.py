@@ -9,6 +9,7 @@ group advantages divided by the group's std with ddof 1 plus 1e-4, 1000 steps.
 import ml_collections
 
 from sage_jax import objectives, sharding
+from sage_jax.data import templates
 
 ARGS = ()  # accepted config arguments (configs/NAME.py:ARG): none, so any is an error
 
@@ -37,8 +38,12 @@ def get_config(arg=None):
     c.mesh.rules = ml_collections.ConfigDict({k: v for k, v in sharding.DEFAULT_RULES.items()})
 
     # Data: task is "math", "kk" or "countdown". train/eval name shared data sets (see sage_jax.data.loaders).
+    # template "auto": the model's own chat template (plain text without one) around system_prompt (empty: none, so
+    # the template's own default applies) and instruction (the user message; {problem} is the problem). Named
+    # templates (sage_jax.data.templates: qwen_math_boxed, r1_think, plain) ignore system_prompt / instruction.
     c.data = ml_collections.ConfigDict(dict(
-        task="math", train="math_train_l3to5", eval="math500", data_dir="", template="qwen_math_boxed",
+        task="math", train="math_train_l3to5", eval="math500", data_dir="", template="auto",
+        system_prompt="", instruction=templates.MATH_INSTRUCTION, answer_extraction="strict",
         problem_field="", answer_field="", max_prompt_len=2048, eval_problems=0,
         # countdown / kk generators
         num_train=2000, num_eval=200, num_numbers=3, max_number=15, ood_num_numbers=3, ood_max_number=25,

@@ -18,7 +18,8 @@ def get_config(arg=None):
     c = base.get_config()
     c.model.update(path="checkpoints/Qwen2.5-Math-7B", remat=True)
     c.mesh.shape = (1, -1, 4)
-    c.data.update(eval="aime24,aime25,amc23,math500", max_prompt_len=1024)
+    # the paper's prompt (Qwen2.5-Math's system prompt in ChatML), not the model's chat template
+    c.data.update(eval="aime24,aime25,amc23,math500", max_prompt_len=1024, template="qwen_math_boxed")
     c.rollout.update(prompts_per_step=128, max_new_tokens=3072)
     c.optim.update(grad_accum=16)
     c.train.update(ckpt_every=25, reward_workers=16)

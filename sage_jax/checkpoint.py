@@ -23,7 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from sage_jax import logging as slog
+from sage_jax import metrics_log as slog
 from sage_jax.save_errors import disk_full as _disk_full, quiet_failures as _quiet_failures
 
 log = pylogging.getLogger(__name__)
@@ -345,14 +345,29 @@ def model_meta(cfg: Any) -> dict[str, Any]:
     return {k: getattr(cfg, k) for k in _MODEL_FIELDS if hasattr(cfg, k)}
 
 
-def export_hf(workdir: str | os.PathLike, cfg: Any, params: Any, tokenizer: Any = None) -> str:
+def export_hf(workdir: str | os.PathLike, cfg: Any, params: Any, tokenizer: Any = None,
+              source: str | os.PathLike | None = None) -> str:
     """Write params (and the tokenizer, when given) as a Hugging Face model directory WORKDIR/hf_export, complete
-    enough for AutoTokenizer / AutoModelForCausalLM; returns that path. Call on every process."""
+    enough for AutoTokenizer / AutoModelForCausalLM; returns that path. Call on every process.
+
+    `source` (default: the directory the HF tokenizer was loaded from, when it holds a config.json of the same
+    shape) is the model the run started from: its config.json fields are kept as they were and the run's extra stop
+    ids go to generation_config.json only (hf_config.export_configs)."""
     from sage_jax import model
     out = os.path.join(os.fspath(workdir), "hf_export")
     model.save_hf(out, cfg, params)
     if tokenizer is not None and jax.process_index() == 0:
         hf_tokenizer(tokenizer).save_pretrained(out)
+    hf = getattr(tokenizer, "hf", None)
+    source = source or getattr(hf, "name_or_path", None)
+    source_config = epath.Path(source) / "config.json" if source else None
+    if source_config is not None and source_config.exists() and jax.process_index() == 0:
+        from sage_jax import hf_config
+        generation_file = source_config.parent / "generation_config.json"
+        generation = json.loads(generation_file.read_text()) if generation_file.exists() else None
+        config, generation = hf_config.export_configs(cfg, json.loads(source_config.read_text()), generation)
+        (epath.Path(out) / "config.json").write_text(json.dumps(config, indent=2))
+        (epath.Path(out) / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return out
 
 

@@ -55,7 +55,7 @@ def main_guard(fn: Callable[[], int | None]) -> None:
     from sage_jax import config as config_lib
     from sage_jax import run_guard
     from sage_jax.checkpoint import CheckpointError
-    from sage_jax.logging import NonFiniteLossError
+    from sage_jax.metrics_log import NonFiniteLossError
     run_guard.raise_on_sigterm()
     as_main = getattr(fn, "__module__", None) == "__main__"  # a `python -m` run, not a caller in this process
     try:
@@ -100,7 +100,7 @@ def _exit_now(code: int) -> None:
 def setup_runtime(workdir: str) -> None:
     """Distributed runtime, the workdir and its lock (held until the process ends: one run per workdir), logging."""
     from sage_jax import run_guard, sharding
-    from sage_jax import logging as slog
+    from sage_jax import metrics_log as slog
     sharding.initialize_distributed()
     os.makedirs(workdir, exist_ok=True)
     run_guard.acquire(workdir)

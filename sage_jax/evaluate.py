@@ -51,7 +51,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=3072)
-    p.add_argument("--template", default="", help="prompt template (default: qwen_math_boxed; plain for countdown)")
+    p.add_argument("--template", default="", help="prompt template (default: the run's data.template, else "
+                   "qwen_math_boxed; plain for countdown; chat: the model's own chat template)")
     p.add_argument("--limit", type=int, default=0, help="only the first N problems of each dataset (0 = all)")
     p.add_argument("--batch-problems", type=int, default=0, help="problems per sampler call (default max-rows // n)")
     p.add_argument("--max-rows", type=int, default=256, help="decode rows per sampler call (bounds the KV cache)")
@@ -261,7 +262,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "max_new_tokens": args.max_new_tokens, "seed": args.seed, "data_seed": data_seed, "dtype": dtype}
     import jax
     from sage_jax import sharding, tasks
-    from sage_jax.data.templates import render
+    from sage_jax.data.templates import render, resolve_for as resolve_template
     from sage_jax.rewards.pool import RewardPool
     try:
         mesh = sharding.make_mesh(tuple(parse_ints(args.mesh, "--mesh")))
@@ -289,6 +290,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stack.enter_context(sharding.use_rules(rules))
         for key, (name, reward, examples) in datasets.items():
             template = template_for(reward, args.template, task, run_config)
+            if reward != "countdown":  # "chat" / "auto": the model's own chat template around the run's prompts
+                template = resolve_template(run_config.data if run_config is not None else None, tokenizer, template)
             if reward not in pools:
                 pools[reward] = stack.enter_context(RewardPool(reward, num_workers=args.reward_workers,
                                                                timeout_s=args.reward_timeout))

@@ -142,3 +142,33 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     else:
         hf |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.num_layers}
     return hf
+
+
+_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+def export_configs(cfg: ModelConfig, source: dict | None = None, source_generation: dict | None = None
+                   ) -> tuple[dict, dict]:
+    """(config.json, generation_config.json) of an export. With the source model's config.json (same shape), its
+    fields stay as they were (eos_token_id, unk_token_id, ...) and only the weights' dtype is updated; the run's
+    stop ids beyond the model's own eos go to generation_config.json only, which is what generate() reads."""
+    ours = config_to_hf(cfg)
+    if not (source and all(source.get(k) == ours[k] for k in _SHAPE_KEYS)):
+        source = source_generation = None  # another model's files: describe this one from cfg alone
+    if source:
+        config = dict(source)
+        config.pop("quantization_config", None)  # the export is plain safetensors
+        config["dtype"] = ours["dtype"]
+        if "torch_dtype" in source:
+            config["torch_dtype"] = ours["torch_dtype"]
+    else:
+        config = ours
+    generation = dict(source_generation or {})
+    as_list = lambda v: [] if v is None else [int(x) for x in (v if isinstance(v, list) else [v])]
+    stops = list(dict.fromkeys(as_list(generation.get("eos_token_id", config.get("eos_token_id")))
+                               + list(cfg.eos_token_ids)))
+    generation["eos_token_id"] = stops[0] if len(stops) == 1 else (stops or None)
+    for key in ("bos_token_id", "pad_token_id"):
+        if generation.get(key) is None:
+            generation[key] = config.get(key)
+    return config, generation

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sage_jax import checkpoint, model as model_lib, run_guard, run_record, sharding, tasks, train_state
-from sage_jax import logging as slog
+from sage_jax import metrics_log as slog
 from sage_jax.data import loaders
 
 log = pylogging.getLogger("sage_jax")

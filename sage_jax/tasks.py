@@ -20,9 +20,10 @@ class Task:
     name: str
     reward: str  # a sage_jax.rewards.pool registry name
     tokenizer: Any  # encode(text) -> ids, decode(ids) -> text, eos_ids, pad_id
-    template: str  # sage_jax.data.templates name
+    template: str  # a sage_jax.data.templates name (for "chat" / "auto": the registered model template)
     train: list[Example]
     evals: dict[str, list[Example]]
+    answer_extraction: str = "strict"  # "last_number": math answers may be the reply's last number (rewards.math)
 
     def prompt_text(self, ex: Example) -> str:
         from sage_jax.data.templates import render
@@ -37,6 +38,8 @@ class Task:
             return {"numbers": ex.meta["numbers"], "target": ex.meta["target"]}
         if self.name == "kk":
             return ex.meta.get("gold", ex.answer)
+        if self.answer_extraction == "last_number":
+            return {"answer": ex.answer, "last_number": True}
         return ex.answer
 
     def train_batch(self, step: int, num_prompts: int, seed: int) -> list[Example]:
@@ -116,6 +119,8 @@ def build(config, tokenizer_path: str = "") -> Task:
         raise ValueError(f"task {d.task!r} needs a tokenizer: set --config.model.path (an HF directory) or "
                          "--config.tokenizer_path")
     tokenizer = Tokenizer.from_pretrained(path)
+    from sage_jax.data import templates
+    template = templates.resolve_for(d, tokenizer)
     fields = dict(problem_key=d.problem_field or None, answer_key=d.answer_field or None)
     data_dir = d.data_dir or None
     if d.task == "kk":
@@ -124,12 +129,27 @@ def build(config, tokenizer_path: str = "") -> Task:
                                                                             config.seed))]
         evals = {name: loaders.load_dataset("kk", name, data_dir=data_dir, limit=limit)
                  for name in _split_names(d.eval)}
-        return Task("kk", "kk", tokenizer, d.template, train, evals)
+        return Task("kk", "kk", tokenizer, template, train, evals)
     if d.task != "math":
         raise ValueError(f"data.task={d.task!r}: choose 'math', 'kk' or 'countdown'")
-    train = loaders.load_dataset(d.train, "train", data_dir=data_dir, **fields)
-    evals = {name: loaders.load_dataset(name, "test", data_dir=data_dir, limit=limit) for name in _split_names(d.eval)}
-    return Task("math", "math", tokenizer, d.template, train, evals)
+    train = _math_set(d.train, "train", config, data_dir, fields=fields)
+    evals = {name: _math_set(name, "test", config, data_dir, limit=limit, exclude=train)
+             for name in _split_names(d.eval)}
+    extraction = str(d.get("answer_extraction", "strict"))
+    if extraction not in ("strict", "last_number"):
+        raise ValueError(f"data.answer_extraction={extraction!r}: choose 'strict' or 'last_number'")
+    return Task("math", "math", tokenizer, template, train, evals, extraction)
+
+
+def _math_set(name: str, split: str, config, data_dir, fields=None, limit=None, exclude=()) -> list[Example]:
+    """A math-reward data set; "arith_words" is generated (train: data.num_train, eval: data.num_eval, disjoint)."""
+    if name == "arith_words":
+        from sage_jax.data import word_problems
+        if split == "train":
+            return word_problems.generate(config.data.num_train, config.seed)
+        return word_problems.generate(limit or config.data.num_eval, config.seed + 1,
+                                      exclude={ex.problem for ex in exclude})
+    return loaders.load_dataset(name, split, data_dir=data_dir, limit=limit, **(fields or {}))
 
 
 def _kk_example(puzzle: dict, i: int) -> Example:

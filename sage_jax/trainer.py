@@ -21,7 +21,7 @@ import numpy as np
 from sage_jax import (checkpoint, evaluation, guides, lora, objectives, offpolicy, packing, rollouts, sharding,
                       supervised, tasks)
 from sage_jax import config as config_lib
-from sage_jax import logging as slog
+from sage_jax import metrics_log as slog
 from sage_jax import model as model_lib
 from sage_jax import run_guard, run_record, step_timing, train_state
 from sage_jax.rewards.pool import RewardPool

@@ -179,7 +179,7 @@ def _countdown_workdir(workdir: Path) -> Path:
     """What trainer.run_rl leaves behind (run config, an RL checkpoint, hf_export), without training."""
     import jax
     from sage_jax import checkpoint, config as config_lib, model, tasks, train_state
-    from sage_jax import logging as slog
+    from sage_jax import metrics_log as slog
     config = config_lib.load("configs/tiny_test.py")
     cfg = train_state.model_config(config, vocab_size=tasks._CountdownTok().vocab_size)
     rng = np.random.default_rng(3)  # numpy init: compiling model.init_params costs more than this whole test

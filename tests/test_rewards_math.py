@@ -82,6 +82,23 @@ CASES = [
     (B("\\text{(C)}"), "C", True),
     (B("\\text{(C)}"), "D", False),
     (B("\\infty"), "\\infty", True),
+    # the final-answer statements real models write (see also tests/data/model_answers.jsonl)
+    ("... so she makes 9 * 2 = 18 dollars. The answer is 8.", "8", True),
+    ("The answer is: 18", "18", True),
+    ("**Answer:** 18", "18", True),
+    ("Final answer: $18$", "18", True),
+    ("The answer is $\\frac{1}{2}$.", "0.5", True),
+    ("The answer is 18 apples.", "18", True),
+    ("The answer is 4 + 5 = 9.", "9", True),
+    ("The answer is **$18.00**.", "18", True),
+    ("The final answer is \\( 12 \\).", "12", True),
+    ("Answer:\n\n18", "18", True),
+    ("The answer is 5.\nChecking again... The answer is 6.", "6", True),
+    ("The answer is 5.\nChecking again... The answer is 6.", "5", False),
+    ("The answer is 18 or 20.", "18", False),
+    ("The answer is not 18.", "18", False),
+    ("I am not sure what the answer is.", "18", False),
+    ("What is the answer? Let me add 10 + 8 = 18.", "18", False),
 ]
 
 
@@ -190,3 +207,34 @@ def test_verify_with_timeout_from_a_thread(tmp_path):
     assert out["hostile"] == [False] * len(out["hostile"])
     assert out["elapsed"] < 5.0 * len(out["hostile"])
     assert not target.exists()
+
+
+def _model_answers():
+    import json
+    from pathlib import Path
+    path = Path(__file__).parent / "data" / "model_answers.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("row", _model_answers(), ids=lambda r: r["source"].rsplit(" ", 1)[-1])
+def test_real_model_outputs_hand_labelled(row):
+    """Real SmolLM2-135M-Instruct outputs on GSM8K, labelled by hand: the reward against the gold answer, and the
+    final answer a reader takes from the text (None where it states no single answer) is what gets read."""
+    assert mr.verify(row["completion"], row["gold"]) is row["correct"]
+    if row["answer"] is not None:
+        assert mr.verify(row["completion"], row["answer"]), mr.extract_answer(row["completion"])
+
+
+def test_model_answer_set_has_both_kinds():
+    rows = _model_answers()
+    assert len(rows) >= 30 and sum(r["correct"] for r in rows) >= 3 and sum(not r["correct"] for r in rows) >= 20
+
+
+def test_last_number_mode_reads_stated_answers_only_when_asked():
+    stated = "Tom has 3 boxes with 11 cards in each box, so he has 3 * 11 = 33 cards in total."
+    assert not mr.verify(stated, "33")  # strict (the default): no marked answer, no reward
+    assert mr.verify(stated, {"answer": "33", "last_number": True})
+    assert not mr.verify(stated, {"answer": "11", "last_number": True})
+    # a marked answer still wins over the last number
+    assert not mr.verify("The answer is 5. Then 33.", {"answer": "33", "last_number": True})
+    assert not mr.verify("no digits here", {"answer": "33", "last_number": True})

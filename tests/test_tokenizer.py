@@ -69,3 +69,59 @@ def test_missing_tokenizer_dir(tmp_path):
         Tokenizer.from_pretrained(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_pretrained(tmp_path)
+
+
+def _math_task(tmp_path, tok_dir, **overrides):
+    import json
+    from sage_jax import config as config_lib, tasks
+    data = tmp_path / "set"
+    data.mkdir(exist_ok=True)
+    for split in ("train", "test"):
+        (data / f"{split}.jsonl").write_text(json.dumps({"problem": "What is {1} + 1?", "answer": "2"}) + "\n")
+    flags = {"model.path": str(tok_dir), "data.task": "math", "data.train": str(data), "data.eval": str(data),
+             **overrides}
+    return tasks.build(config_lib.load("configs/base.py", [f"--config.{k}={v}" for k, v in flags.items()]))
+
+
+def test_training_prompts_use_the_models_chat_template(tmp_path, tok):
+    """The default data.template ('auto') renders training prompts with the tokenizer's own chat template around
+    the config's instruction; rollouts encode exactly task.encode_prompt."""
+    from sage_jax.data import templates
+    tok_dir = tiny_tokenizer(tmp_path / "tok")
+    task = _math_task(tmp_path, tok_dir)
+    ex = task.train[0]
+    user = templates.MATH_INSTRUCTION.replace("{problem}", ex.problem)
+    assert task.prompt_text(ex) == tok.apply_chat_template([{"role": "user", "content": user}])
+    assert task.encode_prompt(ex) == tok.encode(tok.apply_chat_template([{"role": "user", "content": user}]))
+    with_system = _math_task(tmp_path, tok_dir,
+                             **{"data.system_prompt": "Be brief.", "data.instruction": "Q: {problem}"})
+    assert with_system.prompt_text(ex) == tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q: What is {1} + 1?"}])
+    # a named template is used as is (the paper configs state qwen_math_boxed)
+    boxed = _math_task(tmp_path, tok_dir, **{"data.template": "qwen_math_boxed"})
+    assert boxed.prompt_text(ex) == tok_lib.QWEN_MATH_BOXED.replace("{problem}", ex.problem)
+
+
+def test_auto_template_without_a_chat_template_and_errors(tok):
+    from sage_jax.data import templates
+
+    class NoChat:
+        hf = type("HF", (), {"chat_template": None})()
+    name = templates.resolve("auto", NoChat(), "Sys.", "Solve: {problem}")
+    assert templates.render(name, "1+1") == "Sys.\n\nSolve: 1+1"
+    with pytest.raises(ValueError, match="no chat template"):
+        templates.resolve("chat", NoChat())
+    with pytest.raises(ValueError, match="placeholder"):
+        templates.resolve("chat", tok, "", "no slot")
+    with pytest.raises(ValueError, match="resolve it first"):
+        templates.render("chat", "x")
+    assert templates.resolve("qwen_math_boxed", tok) == "qwen_math_boxed"
+    with pytest.raises(ValueError, match="unknown prompt template"):
+        templates.resolve("nope", tok)
+
+
+def test_paper_configs_keep_their_templates():
+    from sage_jax import config as config_lib
+    for name, want in [("qwen7b_branch", "qwen_math_boxed"), ("qwen7b_grpo", "qwen_math_boxed"),
+                       ("r1distill7b_branch", "r1_think"), ("base", "auto")]:
+        assert config_lib.load(f"configs/{name}.py").data.template == want, name

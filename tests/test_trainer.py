@@ -217,7 +217,7 @@ def test_nonfinite_update_is_dropped():
 
 def test_nan_run_leaves_a_checkpoint_that_a_sane_rerun_resumes(tmp_path):
     from sage_jax import checkpoint
-    from sage_jax.logging import NonFiniteLossError
+    from sage_jax.metrics_log import NonFiniteLossError
     trainer.run_rl(_tiny(**{"train.steps": 1}), str(tmp_path))
     with pytest.raises(NonFiniteLossError, match=r"at step 2 .*last good checkpoint: step 1 in "):
         trainer.run_rl(_tiny(**{"train.steps": 3, "optim.lr": 1e30, "train.allow_config_change": True}),

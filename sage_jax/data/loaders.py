@@ -41,10 +41,16 @@ DATASETS: dict[str, DatasetSpec] = {
     "aime24": DatasetSpec({"test": ("aime24/test.jsonl",)}, answer_format="number", id_key="id"),
     "aime25": DatasetSpec({"test": ("aime25/test.jsonl",)}, answer_format="number", id_key="id"),
     "amc23": DatasetSpec({"test": ("amc23/test.jsonl",)}, answer_format="number", id_key="id"),
-    "gsm8k": DatasetSpec({"test": ("gsm8k/test.jsonl",), "train": ("gsm8k/train.jsonl",)}, problem_key="question",
+    "gsm8k": DatasetSpec({"test": ("gsm8k/test.jsonl",), "train": ("gsm8k/test.jsonl",)}, problem_key="question",
                          answer_format="gsm8k", id_key="idx"),
+    # The shared data has GSM8K's test split only: "train" is that file minus a held-out quarter (idx % 4 == 0),
+    # which is "gsm8k_heldout" (330 problems); disjoint and fixed (see _SPLIT_ROWS).
+    "gsm8k_heldout": DatasetSpec({"test": ("gsm8k/test.jsonl",)}, problem_key="question", answer_format="gsm8k",
+                                 id_key="idx"),
     "math_train": DatasetSpec({"train": ("math_train/math12k_train.jsonl",)}),
     "math_train_l3to5": DatasetSpec({"train": ("math_train/math12k_level3to5.jsonl",)}),
+    "math_train_l1to2": DatasetSpec({"train": ("math_train/math12k_train.jsonl",),
+                                     "test": ("math_train/math12k_train.jsonl",)}),  # MATH levels 1-2 (3110)
     "kk": DatasetSpec(
         {"test": tuple(_KK_TEST.format(n) for n in range(2, 9)),
          **{f"people{n}": (_KK_TEST.format(n),) for n in range(2, 9)},
@@ -52,6 +58,12 @@ DATASETS: dict[str, DatasetSpec] = {
          "logic_rl_test": ("kk/logic_rl_instruct/*ppl/test.parquet",)},
         **_KK),
 }
+
+_heldout = lambda ex: int(ex.meta["id"]) % 4 == 0
+# (dataset, split) -> which rows of its files it keeps
+_easy = lambda ex: ex.meta.get("level") in ("Level 1", "Level 2")
+_SPLIT_ROWS = {("gsm8k", "train"): lambda ex: not _heldout(ex), ("gsm8k_heldout", "test"): _heldout,
+               ("math_train_l1to2", "train"): _easy, ("math_train_l1to2", "test"): _easy}
 
 # ------------------------------------------------------------------------------------------------ answers
 
@@ -223,6 +235,8 @@ def _load_registered(name: str, split: str, data_dir: Path, overrides: dict[str,
                   id_key=spec.id_key)
     fields.update({k: v for k, v in overrides.items() if v is not None})
     examples = [ex for p in paths for ex in load_file(p, **fields)]
+    keep = _SPLIT_ROWS.get((name, split))
+    examples = [ex for ex in examples if keep(ex)] if keep else examples
     for ex in examples:
         ex.meta["dataset"] = name
     if name == "kk":

@@ -180,9 +180,26 @@ def gold_answer(gold: Any) -> str:
     return gold
 
 
+_LAST_NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def _last_number(text: str) -> str | None:
+    found = _LAST_NUMBER_RE.findall(text[-2 * MAX_ANSWER_CHARS:])
+    return found[-1].rstrip(",") if found else None
+
+
 def verify(completion: str, gold: Any) -> bool:
-    """True when the final answer in `completion` equals `gold` (a string or number)."""
+    """True when the final answer in `completion` equals `gold` (a string or number).
+
+    A gold of {"answer": ..., "last_number": True} (data.answer_extraction="last_number") also reads an answer
+    that is only stated, not marked: the last number in the text when no boxed / "answer is" form is there (the
+    GSM8K "flexible" convention, for small models that write "so Tom has 33 cards").
+    """
+    lenient = isinstance(gold, dict) and bool(gold.get("last_number"))
+    gold = gold["answer"] if isinstance(gold, dict) and "answer" in gold else gold
     pred = extract_answer(completion)
+    if pred is None and lenient and isinstance(completion, str):
+        pred = _last_number(completion)
     if pred is None or len(pred) > MAX_ANSWER_CHARS:
         return False
     return is_equivalent(normalize(pred), normalize(gold_answer(gold)))

@@ -1,6 +1,7 @@
-r"""Final answers in model text: extract the last \boxed{} (or "final answer is" / "Answer:" / "####") and normalise it
-to a canonical string (units, text commands, number words, matrices, repeating decimals, thousands separators), the
-form rewards.math compares. Pure string work: no parser, nothing evaluated.
+r"""Final answers in model text: extract the last \boxed{} (else the last "answer is ..." / "Answer: ..." / "####"
+statement, the forms real models end with) and normalise it to a canonical string (units, text commands, number
+words, matrices, repeating decimals, thousands separators), the form rewards.math compares. Pure string work: no
+parser, nothing evaluated.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ from typing import Any
 MAX_ANSWER_CHARS = 1000
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox|framebox)\s*")
-_FINAL_RE = re.compile(r"final answer is\s*:?\s*(.+)", re.IGNORECASE)
-_ANSWER_RE = re.compile(r"\banswer\s*:\s*(.+)", re.IGNORECASE)
-_GSM_RE = re.compile(r"####\s*(.+)")
+# "The (final) answer is: 18", "answer would be 18", "**Answer:** 18", "Final answer: $18$", "#### 18". The latest
+# statement in the text wins, whichever form it has (a model restating its answer ends with the one it means).
+_MARKER_RE = re.compile(r"\banswers?\b(?:\*\*)?\s*(?:(?:is|was|would be|will be|should be)\b\s*:?|[:=])(?:\*\*)?"
+                        r"|####", re.IGNORECASE)
+_BARE_NUMBER_RE = re.compile(r"\**\$?(-?\d[\d,]*(?:\.\d+)?)\**\.?")
+_LEAD_NUMBER_RE = re.compile(r"(-?\$?\d[\d,]*(?:\.\d+)?(?:/\d+)?)\s+[a-zA-Z][a-zA-Z\s',-]*\.?")
+_CHAIN_RESULT_RE = re.compile(r"[\d\s+\-*/x×().,$]+=\s*(-?\$?\d[\d,]*(?:\.\d+)?)(?:\s+[a-zA-Z][a-zA-Z\s',-]*)?\.?")
 
 _UNIT_WORDS = {
     "cm", "mm", "km", "m", "meter", "meters", "metre", "metres", "centimeter", "centimeters", "kilometer",
@@ -83,7 +88,7 @@ def _last_boxed(text: str) -> str | None:
         end = match.end()
         if end < len(text) and text[end] == "{":
             partner = _closing_braces(text) if partner is None else partner
-            if end in partner:
+            if end in partner and text[end + 1:partner[end]].strip():  # "within \boxed{}" echoed: not an answer
                 return text[end + 1:partner[end]]
         else:
             token = _BARE_TOKEN_RE.match(text, end)  # "\boxed 5"
@@ -93,28 +98,45 @@ def _last_boxed(text: str) -> str | None:
 
 
 def _clean_tail(ans: str) -> str:
-    """The answer part of "final answer is $5$. I hope it is correct." style lines."""
-    ans = ans.strip()
-    dollars = re.match(r"\$+([^$]+)\$+", ans)
-    if dollars:
-        return dollars.group(1)
-    ans = re.split(r"\.\s|\. *$|\s+I hope", ans)[0]
-    return ans.strip()
+    """The answer part of "answer is $5$. I hope it is correct." / "answer is **18** apples." style tails."""
+    ans = ans.strip().strip("*").strip()
+    math_span = re.match(r"\$+([^$]+)\$+|\\\((.+?)\\\)|\\\[(.+?)\\\]", ans)
+    if math_span:
+        return next(g for g in math_span.groups() if g is not None).strip()
+    ans = re.split(r"\.\s|\. *$|\s+I hope|\s*\*\*|;", ans)[0].strip()
+    lead = _LEAD_NUMBER_RE.fullmatch(ans)  # "18 apples", "18 dollars in total": the number (no other digits)
+    if lead:
+        return lead.group(1)
+    chain = _CHAIN_RESULT_RE.fullmatch(ans)  # "4 + 5 = 9": the result
+    if chain:
+        return chain.group(1)
+    return ans
+
+
+def _marked_answer(text: str) -> str | None:
+    for match in reversed(list(_MARKER_RE.finditer(text))):
+        window = text[match.end():match.end() + 2 * MAX_ANSWER_CHARS]  # bounded: thousands of markers stay linear
+        rest, newline, after = window.partition("\n")
+        if not rest.strip() and newline:  # "Answer:\n18": the answer on the next non-empty line
+            rest = after.lstrip().partition("\n")[0]
+        ans = _clean_tail(rest)
+        if ans:
+            return ans
+    return None
 
 
 def extract_answer(text: str) -> str | None:
-    """Last \\boxed{} / \\fbox{} content, else the text after 'final answer is', 'Answer:' or '####'."""
+    """Last \\boxed{} / \\fbox{} content, else the answer of the last "answer is" / "Answer:" / "####" statement."""
     if not isinstance(text, str) or not text:
         return None
     boxed = _last_boxed(text)
     if boxed is not None:
         return boxed.strip()
-    for pattern in (_FINAL_RE, _ANSWER_RE, _GSM_RE):
-        matches = list(pattern.finditer(text))
-        if matches:
-            ans = _clean_tail(matches[-1].group(1))
-            return ans or None
-    return None
+    # asked for only the number, the reply is that number ("13", "**13**", "13 apples.")
+    bare = _BARE_NUMBER_RE.fullmatch(text.strip()) or _LEAD_NUMBER_RE.fullmatch(text.strip())
+    if bare:
+        return bare.group(1)
+    return _marked_answer(text)
 
 
 # ----------------------------------------------------------------------------------------------- normalisation

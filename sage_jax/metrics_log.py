@@ -1,7 +1,7 @@
 """Seeing the run: metrics to JSONL + TensorBoard (+ optional wandb), samples, a progress bar, one-step-late
 metric fetching, the NaN guard, and stdlib logging to console and WORKDIR/log.txt.
 
-Import as `from sage_jax import logging as slog` (the name shadows the stdlib module only for that import).
+Import as `from sage_jax import metrics_log as slog` (named so that it shadows no standard-library module).
 Only the primary process (jax.process_index() == 0) writes files.
 """
 
@@ -200,6 +200,7 @@ class Progress:
         self.enabled = _is_primary(None) if enabled is None else bool(enabled)
         self._fields: dict[str, str] = {}
         self._step = int(initial)
+        self.desc, self.total = desc, int(total)
         self._time = time.perf_counter()
         self._bar = tqdm(total=int(total), initial=int(initial), desc=desc, unit="step",
                          file=file if file is not None else sys.stderr, disable=not self.enabled,
@@ -220,6 +221,7 @@ class Progress:
         if steps_done > 0:
             self._fields["step_s"] = f"{(now - self._time) / steps_done:.2f}"
             self._step, self._time = step, now
+            self._log_line(step)
         if not self.enabled:
             return
         self._bar.set_postfix_str(self.postfix, refresh=False)
@@ -227,6 +229,20 @@ class Progress:
             self._bar.update(steps_done)
         else:
             self._bar.refresh()
+
+    def _log_line(self, step: int) -> None:
+        """Each step's one-line summary goes to log.txt always, and to the console when there is no bar (with
+        train.progress=False a run is otherwise silent until its end); the bar's own line is the console's."""
+        if not _is_primary(None):
+            return
+        record = log.makeRecord(log.name, pylogging.INFO, __file__, 0,
+                                f"{self.desc} step {step}/{self.total}: {self.postfix}", None, None)
+        if not self.enabled:
+            log.handle(record)
+            return
+        for handler in pylogging.getLogger().handlers:
+            if isinstance(handler, pylogging.FileHandler) and record.levelno >= handler.level:
+                handler.handle(record)
 
     def close(self) -> None:
         self._bar.close()
