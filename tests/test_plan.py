@@ -261,7 +261,9 @@ def test_tiny_config_compiles_with_xla_tpu_and_predicts_its_run(tpu_report):
     pred = r["prediction"]
     progs = pred["programs"]
     assert set(progs) == {"train_step", "ref_logprobs", "prefill", "decode_step"}
-    assert pred["loops_left"] == pred["kernels_uncounted"] == []
+    # XLA:TPU expands the decode slots' per-slot cache write (a scatter) into a loop of one in-place row update per
+    # slot: the only loop left, and its body (a [kv_heads, head_dim] copy) is no part of the step's cost
+    assert pred["loops_left"] in ([], ["decode_step"]) and pred["kernels_uncounted"] == []
     assert progs["decode_step"]["calls"] == 15 and progs["train_step"]["calls"] == 1  # max_new_tokens 16
     assert pred["step_s"] == pytest.approx(sum(p["time_s"] * p["calls"] for p in progs.values()))
     assert pred["run_s"] == pytest.approx(3 * pred["step_s"])
