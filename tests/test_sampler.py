@@ -440,3 +440,22 @@ def test_greedy_compiles_as_cheaply_as_sampling(monkeypatch):
     for temperature in (1.0, 0.0):
         sampler.generate(cfg, params, [[3, 4, 5] * 6] * 4, max_new_tokens=16, temperature=temperature, num_samples=4)
     assert seconds[True] < 2.5 * seconds[False], seconds  # it was > 60x
+
+
+@pytest.mark.parametrize("value, ok", [(None, True), ("auto", True), ("all", True), (32, True), ("16", True),
+                                       (0, False), ("-4", False), ("many", False), (True, False)])
+def test_rollout_slots_validation(value, ok):
+    from sage_jax import config as config_lib
+    c = config_lib.load("configs/tiny_test.py", [])
+    with c.ignore_type():
+        c.rollout.slots = value
+    if ok:
+        config_lib.validate(c)
+    else:
+        with pytest.raises(config_lib.ConfigError, match="rollout.slots"):
+            config_lib.validate(c)
+
+
+def test_auto_slots_is_every_row_without_a_memory_limit():
+    assert jax.local_devices()[0].memory_stats() is None or "bytes_limit" not in jax.local_devices()[0].memory_stats()
+    assert sampler.auto_slots(CFG, rows=16, prompts=4, cache_len=144, prompt_len=16, mesh=None) == 16
