@@ -190,6 +190,17 @@ def _mesh_of(params: Params) -> Mesh | None:
     return None
 
 
+def _slot_count(slots, cfg: ModelConfig, rows: int, prompts: int, P: int, C: int, mesh: Mesh | None) -> int:
+    """generate's `slots` as a number, rounded up to a multiple of data x fsdp."""
+    if slots == "auto":
+        slots = auto_slots(cfg, rows, prompts, P + C, P, mesh)
+    if slots is not None and slots != "all" and not (str(slots).isdigit() and int(slots) >= 1):
+        raise ValueError(f"slots={slots!r} must be an integer >= 1 (decode slots: rows decoded at once), 'auto' or "
+                         "'all'")
+    dp = _data_parallel(mesh)
+    return -(-(rows if slots in (None, "all") else int(slots)) // dp) * dp
+
+
 def _left_pad(prompts: Sequence[Sequence[int]], rows: int, width: int, pad_id: int):
     tokens = np.full((rows, width), pad_id, np.int32)
     mask = np.zeros((rows, width), np.bool_)
@@ -246,12 +257,7 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
         rows += 1
     P, C = prompt_bucket(longest), new_tokens_bucket(max_new_tokens)
     N = rows * G
-    if slots == "auto":
-        slots = auto_slots(cfg, N, rows, P + C, P, mesh)
-    if slots is not None and slots != "all" and not (str(slots).isdigit() and int(slots) >= 1):
-        raise ValueError(f"slots={slots!r} must be an integer >= 1 (decode slots: rows decoded at once), 'auto' or "
-                         "'all'")
-    S = -(-(N if slots in (None, "all") else int(slots)) // dp) * dp
+    S = _slot_count(slots, cfg, N, rows, P, C, mesh)
     tokens_BxP, mask_BxP = _left_pad(prompts, rows, P, pad_id)
     greedy = temperature == 0
     plan = SamplerPlan(num_samples=G, new_bucket=C, greedy=greedy, top_k=0 if greedy or top_k >= cfg.vocab_size else top_k,

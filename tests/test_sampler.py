@@ -392,6 +392,7 @@ def test_decode_flops_counts_prefill_once_per_prompt():
     ([[1, 64]], {}, "token ids must lie"),
     ([[1]], {"top_p": 0.0}, "bad sampling settings"),
     ([[1]], {"max_new_tokens": 40000}, "max_position_embeddings"),
+    ([[1]], {"slots": 0}, "slots=0 must be an integer >= 1"),
 ])
 def test_bad_arguments_name_the_fix(params, prompts, kw, match):
     with pytest.raises(ValueError, match=match):
