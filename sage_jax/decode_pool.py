@@ -69,12 +69,19 @@ def row_keys(key: jax.Array, steps_B: jax.Array, rows_B: jax.Array) -> jax.Array
 
 
 def _copy_prompts(cache: list, prompt_cache: list, slots_K: jax.Array, prompts_K: jax.Array, count) -> list:
-    """Prompt prompts_K[k]'s prefilled entries into the first P positions of slot slots_K[k], for k < count."""
+    """Prompt prompts_K[k]'s prefilled entries into the first P positions of slot slots_K[k], for k < count.
+
+    16-bit floats are moved as uint16 (bitcasts are free): XLA:CPU does a bf16 dynamic_update_slice in float32 and
+    then carries a float32 copy of the whole cache through the decode loop (model._write_cache does the same)."""
+    bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype.itemsize == 2 else a
+
     def one(k, cache):
         s, p = slots_K[k], prompts_K[k]
         put = lambda c, pc: jax.lax.dynamic_update_slice(c, jax.lax.dynamic_slice_in_dim(pc, p, 1, 0), (s, 0, 0, 0))
-        return [tuple(put(c, pc) for c, pc in zip(kv, pkv)) for kv, pkv in zip(cache, prompt_cache)]
-    return jax.lax.fori_loop(0, count, one, cache)
+        return [tuple(put(c, bits(pc)) for c, pc in zip(kv, pkv)) for kv, pkv in zip(cache, prompt_cache)]
+    moved = jax.lax.fori_loop(0, count, one, [tuple(map(bits, kv)) for kv in cache])
+    back = lambda a, like: jax.lax.bitcast_convert_type(a, like.dtype) if a.dtype != like.dtype else a
+    return [tuple(map(back, kv, lkv)) for kv, lkv in zip(moved, cache)]
 
 
 def _refill(pool: _Pool, done_N: jax.Array, out: _Out, prompt_cache: list, G: int) -> _Pool:

@@ -75,14 +75,20 @@ def _blocked_decode_attention(q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, allowed_Bx1xGxS, 
         start = jnp.minimum(j * blk, S - blk)  # the last block is shifted back to fit; its re-read slots are masked
         take = lambda x, axis=2: jax.lax.dynamic_slice_in_dim(x, start, blk, axis=axis)
         ok = take(allowed_Bx1xGxS, 3) & (start + jnp.arange(blk) >= j * blk)
-        scores = jnp.where(ok, _decode_scores(q_BxKxGxH, take(k_BxKxSxH)) / math.sqrt(H), -jnp.inf)
+        k_blk, v_blk = (jax.lax.bitcast_convert_type(take(c), dtype) if c.dtype != dtype else take(c)
+                        for c in (k_bits, v_bits))
+        scores = jnp.where(ok, _decode_scores(q_BxKxGxH, k_blk) / math.sqrt(H), -jnp.inf)
         new_max = jnp.maximum(max_BxKxG, jnp.max(scores, axis=-1))
         probs = jnp.where(ok, jnp.exp(scores - new_max[..., None]), 0.0)
         rescale = jnp.exp(max_BxKxG - new_max)
-        mixed = jnp.einsum("bkgs,bksh->bkgh", probs.astype(v_BxKxSxH.dtype), take(v_BxKxSxH),
-                           preferred_element_type=f32)
+        mixed = jnp.einsum("bkgs,bksh->bkgh", probs.astype(dtype), v_blk, preferred_element_type=f32)
         return new_max, sum_BxKxG * rescale + jnp.sum(probs, axis=-1), acc_BxKxGxH * rescale[..., None] + mixed
 
+    # Blocks sliced from the cache's bits: XLA:CPU computes 16-bit float products in float32 and would otherwise
+    # convert the whole cache to float32 once, outside the loop (two float32 copies of every layer's cache held).
+    dtype = v_BxKxSxH.dtype
+    bits = lambda c: jax.lax.bitcast_convert_type(c, jnp.uint16) if dtype.itemsize == 2 else c
+    k_bits, v_bits = bits(k_BxKxSxH), bits(v_BxKxSxH)
     B, K, G, _ = q_BxKxGxH.shape
     init = (jnp.full((B, K, G), jnp.finfo(f32).min, f32), jnp.zeros((B, K, G), f32), jnp.zeros((B, K, G, H), f32))
     _, total, acc = jax.lax.fori_loop(0, -(-end // blk), block, init)
@@ -137,7 +143,13 @@ def _write_cache(c_BxKxSxH, x_BxTxKxH, index) -> jax.Array:
     if jnp.ndim(index) == 0:
         return jax.lax.dynamic_update_slice_in_dim(c_BxKxSxH, x_BxKxTxH, index, 2)
     put = lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, 1)
-    return jax.vmap(put)(c_BxKxSxH, x_BxKxTxH, index)
+    if c_BxKxSxH.dtype.itemsize != 2:
+        return jax.vmap(put)(c_BxKxSxH, x_BxKxTxH, index)
+    # A 16-bit float scatter is done in float32 by XLA:CPU, which then carries a float32 copy of the whole cache
+    # through the decode loop (2x its bytes, plus the converts); the same bits scattered as uint16 are not.
+    bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)
+    out = jax.vmap(put)(bits(c_BxKxSxH), bits(x_BxKxTxH), index)
+    return jax.lax.bitcast_convert_type(out, c_BxKxSxH.dtype)
 
 
 def _block(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, allowed_BxTxS, kv_cache=None, cache_index=None,
