@@ -50,7 +50,10 @@ def get_config(arg=None):
         kk_people=(3, 4, 5), kk_ood_people=(6, 7)))
 
     c.rollout = ml_collections.ConfigDict(dict(
-        prompts_per_step=64, group_size=8, temperature=1.0, top_p=1.0, top_k=0, min_p=0.01, max_new_tokens=6144))
+        prompts_per_step=64, group_size=8, temperature=1.0, top_p=1.0, top_k=0, min_p=0.01, max_new_tokens=6144,
+        # decode slots (sage_jax.sampler): None = one per row (a static batch); N = N rows decode at once, the rest
+        # queue for a slot; "auto" = as many as fit the accelerator's free memory
+        slots=None))
 
     # The loss and guide defaults live in objectives.LossConfig and guides.GuideConfig (one flat dict here): k3
     # anchor, beta 0.05, clip 0.2, GRPO aggregation, advantages over the group's std (ddof 1) + 1e-4, no guide;

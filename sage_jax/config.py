@@ -191,6 +191,8 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("rollout.top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("rollout.top_k", lambda v: v >= 0, ">= 0 (0 = off)"),
     ("rollout.min_p", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("rollout.slots", lambda v: v is None or v in ("auto", "all") or (str(v).isdigit() and int(v) >= 1),
+     "an integer >= 1 (decode slots), 'auto' (as many as fit) or 'all' / None (one per row)"),
     ("loss.beta", lambda v: v >= 0, ">= 0"),
     ("loss.gamma", lambda v: v >= 0, ">= 0"),
     ("loss.tau", lambda v: v > 0, "> 0"),

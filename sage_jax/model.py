@@ -75,14 +75,20 @@ def _blocked_decode_attention(q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, allowed_Bx1xGxS, 
         start = jnp.minimum(j * blk, S - blk)  # the last block is shifted back to fit; its re-read slots are masked
         take = lambda x, axis=2: jax.lax.dynamic_slice_in_dim(x, start, blk, axis=axis)
         ok = take(allowed_Bx1xGxS, 3) & (start + jnp.arange(blk) >= j * blk)
-        scores = jnp.where(ok, _decode_scores(q_BxKxGxH, take(k_BxKxSxH)) / math.sqrt(H), -jnp.inf)
+        k_blk, v_blk = (jax.lax.bitcast_convert_type(take(c), dtype) if c.dtype != dtype else take(c)
+                        for c in (k_bits, v_bits))
+        scores = jnp.where(ok, _decode_scores(q_BxKxGxH, k_blk) / math.sqrt(H), -jnp.inf)
         new_max = jnp.maximum(max_BxKxG, jnp.max(scores, axis=-1))
         probs = jnp.where(ok, jnp.exp(scores - new_max[..., None]), 0.0)
         rescale = jnp.exp(max_BxKxG - new_max)
-        mixed = jnp.einsum("bkgs,bksh->bkgh", probs.astype(v_BxKxSxH.dtype), take(v_BxKxSxH),
-                           preferred_element_type=f32)
+        mixed = jnp.einsum("bkgs,bksh->bkgh", probs.astype(dtype), v_blk, preferred_element_type=f32)
         return new_max, sum_BxKxG * rescale + jnp.sum(probs, axis=-1), acc_BxKxGxH * rescale[..., None] + mixed
 
+    # Blocks sliced from the cache's bits: XLA:CPU computes 16-bit float products in float32 and would otherwise
+    # convert the whole cache to float32 once, outside the loop (two float32 copies of every layer's cache held).
+    dtype = v_BxKxSxH.dtype
+    bits = lambda c: jax.lax.bitcast_convert_type(c, jnp.uint16) if dtype.itemsize == 2 else c
+    k_bits, v_bits = bits(k_BxKxSxH), bits(v_BxKxSxH)
     B, K, G, _ = q_BxKxGxH.shape
     init = (jnp.full((B, K, G), jnp.finfo(f32).min, f32), jnp.zeros((B, K, G), f32), jnp.zeros((B, K, G, H), f32))
     _, total, acc = jax.lax.fori_loop(0, -(-end // blk), block, init)
@@ -130,6 +136,22 @@ def _project(lp: Params, name: str, equation: str, x: jax.Array, cdt) -> jax.Arr
     return y + matmul(f"{lead}r,r{outer}->{y_letters}", down, adapter["b"].astype(cdt))
 
 
+def _write_cache(c_BxKxSxH, x_BxTxKxH, index) -> jax.Array:
+    """x written at cache positions [index, index + T): one index for all rows, or one per row ([B]: the decode
+    slots of sampler's pool each have their own), a scatter of each row's T entries."""
+    x_BxKxTxH = x_BxTxKxH.swapaxes(1, 2).astype(c_BxKxSxH.dtype)
+    if jnp.ndim(index) == 0:
+        return jax.lax.dynamic_update_slice_in_dim(c_BxKxSxH, x_BxKxTxH, index, 2)
+    put = lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, 1)
+    if c_BxKxSxH.dtype.itemsize != 2:
+        return jax.vmap(put)(c_BxKxSxH, x_BxKxTxH, index)
+    # A 16-bit float scatter is done in float32 by XLA:CPU, which then carries a float32 copy of the whole cache
+    # through the decode loop (2x its bytes, plus the converts); the same bits scattered as uint16 are not.
+    bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)
+    out = jax.vmap(put)(bits(c_BxKxSxH), bits(x_BxKxTxH), index)
+    return jax.lax.bitcast_convert_type(out, c_BxKxSxH.dtype)
+
+
 def _block(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, allowed_BxTxS, kv_cache=None, cache_index=None,
            segment_ids_BxT=None):
     """One decoder layer. With kv_cache=(k, v) [B,K,S,H], writes this step's keys at cache_index. Without a cache,
@@ -148,8 +170,7 @@ def _block(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, allowed_BxTxS, 
     inv_freq, scale = rope_frequencies(cfg)
     q, k = rope_lib.apply(q, positions_BxT, inv_freq, scale), rope_lib.apply(k, positions_BxT, inv_freq, scale)
     if kv_cache is not None:
-        write = lambda c, x: jax.lax.dynamic_update_slice_in_dim(c, x.swapaxes(1, 2).astype(c.dtype), cache_index, 2)
-        kv_cache = (write(kv_cache[0], k), write(kv_cache[1], v))
+        kv_cache = (_write_cache(kv_cache[0], k, cache_index), _write_cache(kv_cache[1], v, cache_index))
         attn = _cached_attention(q, kv_cache[0].astype(cdt), kv_cache[1].astype(cdt), allowed_BxTxS)
     elif segment_ids_BxT is not None:
         attn = attention_lib.attend(cfg.attention, q, k, v, segment_ids_BxT, cfg.attention_block)
@@ -310,16 +331,17 @@ def forward_with_cache(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, 
                        cache: list, cache_index: jax.Array, kv_mask_BxS: jax.Array, return_hidden: bool = False):
     """Run T new tokens written at cache slots [cache_index, cache_index + T).
 
-    params["layers"] may be stacked or a list of per-layer dicts (unstack_layers).
-    kv_mask_BxS marks which cache slots hold real tokens (after this step's tokens are added); query t may attend to
-    slot s when kv_mask[b, s] and s <= cache_index + t. Returns (logits [B,T,V] fp32 or hidden, new cache).
+    params["layers"] may be stacked or a list of per-layer dicts (unstack_layers). cache_index is one int for all
+    rows or one per row ([B]). kv_mask_BxS marks which cache slots hold real tokens (after this step's tokens are
+    added); query t of row b may attend to slot s when kv_mask[b, s] and s <= cache_index[b] + t, and always to its
+    own slot. Returns (logits [B,T,V] fp32 or hidden, new cache).
     """
     B, T = tokens_BxT.shape
     S = cache[0][0].shape[2]
     slots_S = jnp.arange(S)
-    query_slots_T = cache_index + jnp.arange(T)
-    allowed = (slots_S[None, None, :] <= query_slots_T[None, :, None]) & kv_mask_BxS[:, None, :].astype(jnp.bool_)
-    allowed = allowed | (slots_S[None, None, :] == query_slots_T[None, :, None])
+    query_slots_bxT = jnp.reshape(cache_index, (-1, 1)) + jnp.arange(T)  # b = 1 or B
+    allowed = (slots_S[None, None, :] <= query_slots_bxT[:, :, None]) & kv_mask_BxS[:, None, :].astype(jnp.bool_)
+    allowed = allowed | (slots_S[None, None, :] == query_slots_bxT[:, :, None])
     x = _embed(cfg, params, tokens_BxT)
     new_cache = []
     for i, lp in enumerate(_layer_list(cfg, params["layers"])):

@@ -44,18 +44,27 @@ def _roof(flops: float, bytes_: float, m: Machine, devices: float) -> float:
     return max(flops / (m.flops_per_s * devices), bytes_ / (m.bytes_per_s * devices))
 
 
-def decode_batches(lengths_N: np.ndarray, dp: int = 1) -> np.ndarray:
-    """int [max_len - 1]: the rows the decode loop runs at step j = 1.. (the first token comes from the prefill):
-    the live rows rounded up to the sampler's decode bucket."""
+def decode_batches(lengths_N: np.ndarray, slots: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(rows computed, rows live), int [steps] each, for decode steps j = 1.. (the first token comes from the
+    prefill) of the slot pool (sampler.generate, decode_pool.py): S = `slots` (default every row) slots compute at
+    every step while any row is live, and a row that ends hands its slot to the next queued row."""
     lengths_N = np.asarray(lengths_N)
-    N, C = len(lengths_N), int(lengths_N.max())
-    live = (lengths_N[None, :] > np.arange(1, C)[:, None]).sum(1)
-    buckets = np.array(sorted(sampler.decode_buckets(-(-N // dp) * dp, dp)))
-    return buckets[np.searchsorted(buckets, np.maximum(live, 1))]
+    S = len(lengths_N) if not slots else min(int(slots), len(lengths_N))
+    free_S = np.zeros(S, np.int64)  # the step each slot frees up at; rows start in queue order on the first free
+    live = []
+    for n in lengths_N:
+        s = int(np.argmin(free_S))
+        live.append((free_S[s], free_S[s] + int(n)))
+        free_S[s] += int(n)
+    steps = int(free_S.max())
+    start_N, end_N = (np.array(x) for x in zip(*live))
+    j = np.arange(1, steps)
+    live_J = ((start_N[None, :] <= j[:, None]) & (end_N[None, :] > j[:, None])).sum(1)
+    return np.full(len(j), S), live_J
 
 
 def generation(cfg, prompts: int, prompt_len: int, lengths_N: np.ndarray, m: Machine, devices: float = 1.0,
-               tensor: int = 1) -> dict[str, float]:
+               tensor: int = 1, slots: int | None = None) -> dict[str, float]:
     """Seconds of sampler.generate on `devices` (rows over devices / tensor data shards, weights split `tensor`
     ways): {"prefill_s", "decode_s", "tail_s" (the steps at no more than an eighth of the rows)}."""
     P = sampler.prompt_bucket(prompt_len)
@@ -65,13 +74,13 @@ def generation(cfg, prompts: int, prompt_len: int, lengths_N: np.ndarray, m: Mac
     shards = max(1.0, devices / tensor)
     prefill_f = prompts * (P * (2 * per_layer + per_slot * P) + 2 * D * V)
     prefill = max(prefill_f / (m.flops_per_s * devices), weights / m.bytes_per_s)
-    rows_J = decode_batches(lengths_N)
-    j = np.arange(1, len(rows_J) + 1)
+    rows_J, live_J = decode_batches(lengths_N, slots)
+    j = np.minimum(np.arange(1, len(rows_J) + 1), int(np.max(lengths_N)))  # a slot's position, at most its cache
     flops_J = rows_J * (2 * per_layer + 2 * D * V + per_slot * (P + j))
     # per device: its share of the rows' cache and FLOPs, its tensor slice of the weights
     step_J = np.maximum(flops_J / (m.flops_per_s * devices),
                         (weights + rows_J / shards * (P + j) * kv / tensor) / m.bytes_per_s) + m.decode_step_s
-    tail = rows_J <= max(1, len(lengths_N) // 8)
+    tail = live_J <= max(1, len(lengths_N) // 8)
     return {"prefill_s": float(prefill), "decode_s": float(step_J.sum()), "tail_s": float(step_J[tail].sum())}
 
 

@@ -193,7 +193,7 @@ def kv_cache_bytes(cfg, shapes, mesh, rules) -> tuple[int, bool]:
     """(per-device bytes of all layers' k and v, whether the cache's sharding constraint applies)."""
     import jax.numpy as jnp
     from sage_jax import model as model_lib, sharding
-    shape = (shapes.sampler_rows, cfg.num_kv_heads, shapes.cache_len, cfg.head_dim)  # model.cache_axes() order
+    shape = (shapes.sampler_slots, cfg.num_kv_heads, shapes.cache_len, cfg.head_dim)  # model.cache_axes() order
     spec = sharding.logical_to_spec(model_lib.cache_axes(), rules)
     split = [math.prod(mesh.shape[a] for a in ((e,) if isinstance(e, str) else e)) if e else 1 for e in spec]
     split += [1] * (len(shape) - len(split))

@@ -35,6 +35,7 @@ class Shapes:
     sampler_prompts: int  # prompts per generate call, padded so the rows split over dp
     sampler_rows: int
     new_bucket: int  # the sampler's bucket for max_new_tokens
+    sampler_slots: int  # decode slots (rollout.slots; all rows by default), a multiple of dp
 
     @property
     def seq_len(self) -> int:
@@ -62,10 +63,17 @@ def plan_shapes(config, mesh) -> Shapes:
     prompts = ro.prompts_per_step
     while (prompts * ro.group_size) % dp:  # as sampler.generate pads its batch
         prompts += 1
+    slots = fixed_slots(getattr(ro, "slots", None), prompts * ro.group_size)
     return Shapes(dp=dp, step_rows=step_rows, update_rows=update_rows, grad_accum=optim.grad_accum,
                   prompt_len=sampler.prompt_bucket(config.data.max_prompt_len), completion_len=ro.max_new_tokens,
                   sampler_prompts=prompts, sampler_rows=prompts * ro.group_size,
-                  new_bucket=sampler.new_tokens_bucket(ro.max_new_tokens))
+                  new_bucket=sampler.new_tokens_bucket(ro.max_new_tokens), sampler_slots=-(-slots // dp) * dp)
+
+
+def fixed_slots(value, rows: int) -> int:
+    """rollout.slots as a number: None (one per row) and "auto" (the plan reports the largest that fits) plan the
+    static batch of every row."""
+    return rows if value in (None, "auto", "all") else int(value)
 
 
 # --------------------------------------------------------------------------------------------------- abstract inputs
@@ -192,7 +200,8 @@ def sampler_plan(cfg, config, shapes: Shapes, mesh) -> sampler.SamplerPlan:
     greedy = ro.temperature == 0
     static = dict(num_samples=ro.group_size, new_bucket=shapes.new_bucket, greedy=greedy,
                   top_k=0 if greedy or ro.top_k >= cfg.vocab_size else ro.top_k, use_top_p=not greedy and ro.top_p < 1,
-                  use_min_p=not greedy and ro.min_p > 0, mesh=mesh, unstack_layers=False, compact=True)
+                  use_min_p=not greedy and ro.min_p > 0, mesh=mesh, unstack_layers=False,
+                  slots=shapes.sampler_slots)
     fields = {f.name for f in dataclasses.fields(sampler.SamplerPlan)}
     if fields - static.keys():
         raise RuntimeError(f"sampler.SamplerPlan has fields {sorted(fields - static.keys())} that sage_jax.plan does not "
@@ -251,27 +260,27 @@ def cost_variant(cfg, num_layers: int):
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_samples", "new_bucket"))
 def prefill_program(cfg, params, prompt_BxP, mask_BxP, *, num_samples: int, new_bucket: int):
-    """The sampler's prefill as generate_program runs it: each prompt once, the last position's logits, the cache
-    repeated for the samples and grown by the new-token bucket."""
+    """The sampler's prefill as generate_program runs it: each prompt once into its prompt cache, the last
+    position's logits for the samples (new_bucket: kept for the callers, the slot cache is not made here)."""
     B, P = prompt_BxP.shape
     mask_BxP = mask_BxP.astype(jnp.bool_)
     h_BxPxD, cache = model_lib.forward_with_cache(cfg, params, prompt_BxP, model_lib.default_positions(mask_BxP),
                                                   model_lib.init_cache(cfg, B, P), 0, mask_BxP, return_hidden=True)
     logits_NxV = jnp.repeat(model_lib.logits_from_hidden(cfg, params, h_BxPxD[:, -1:])[:, 0], num_samples, axis=0)
-    seq_axis = model_lib.cache_axes().index("cache_seq")
-    grow = lambda c: jnp.pad(jnp.repeat(c, num_samples, axis=0),
-                             [(0, new_bucket if a == seq_axis else 0) for a in range(c.ndim)])
-    return logits_NxV, sampler.constrain_cache([tuple(grow(c) for c in kv) for kv in cache])
+    return logits_NxV, sampler.constrain_cache(cache)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("cache",))
 def decode_step_program(cfg, plan, params, last_N, cache, kv_mask_NxS, index, temperature, top_p, min_p, key):
-    """One iteration of the sampler's decode loop: every row's next token over the whole preallocated cache."""
+    """One iteration of the sampler's decode loop: every slot's next token over the whole preallocated cache, each
+    slot writing at its own position (here all at `index`)."""
     N = last_N.shape[0]
-    h_Nx1xD, cache = model_lib.forward_with_cache(cfg, params, last_N[:, None], jnp.full((N, 1), index), cache,
-                                                  index, kv_mask_NxS, return_hidden=True)
+    index_N = jnp.full((N,), index)
+    h_Nx1xD, cache = model_lib.forward_with_cache(cfg, params, last_N[:, None], index_N[:, None], cache,
+                                                  index_N, kv_mask_NxS, return_hidden=True)
     logits_NxV = model_lib.logits_from_hidden(cfg, params, h_Nx1xD)[:, 0]
-    tok_N, logp_N = sampler.sample_tokens(logits_NxV, key, jnp.arange(N, dtype=jnp.int32), greedy=plan.greedy,
+    keys_N = sampler.row_keys(key, index_N, jnp.arange(N, dtype=jnp.int32))
+    tok_N, logp_N = sampler.sample_tokens(logits_NxV, keys_N, greedy=plan.greedy,
                                           temperature=temperature, top_k=plan.top_k,
                                           top_p=top_p if plan.use_top_p else None,
                                           min_p=min_p if plan.use_min_p else None)

@@ -34,7 +34,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"{s['update_rows'] // s['grad_accum']} ({s['update_rows'] // s['grad_accum'] / s['dp']:g} per data-parallel "
         f"device), {s['seq_len']} tokens = prompt {s['prompt_len']} + completion {s['completion_len']}",
         f"sampler: {s['sampler_prompts']} prompts x {s['sampler_rows'] // s['sampler_prompts']} samples = "
-        f"{s['sampler_rows']} rows ({s['sampler_rows'] // s['dp']} per data-parallel device), KV cache "
+        f"{s['sampler_rows']} rows ({s['sampler_rows'] // s['dp']} per data-parallel device) in "
+        f"{s.get('sampler_slots', s['sampler_rows'])} decode slots, KV cache "
         f"{s['cache_len']} slots; ref_logprobs: {s['step_rows']} rows",
         "",
         "per device (analytic, from shardings)",

@@ -20,7 +20,8 @@ def rollout(task: tasks.Task, cfg, params, examples, rollout_cfg, key, max_promp
     out = sampler.generate(cfg, params, prompts, max_new_tokens=rollout_cfg.max_new_tokens,
                            temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
                            min_p=rollout_cfg.min_p, eos_ids=cfg.eos_token_ids, seed=key,
-                           num_samples=rollout_cfg.group_size, pad_id=cfg.pad_token_id)
+                           num_samples=rollout_cfg.group_size, pad_id=cfg.pad_token_id,
+                           slots=getattr(rollout_cfg, "slots", None))
     out = sharding.to_host(out)  # every process gets all rows (all-gathered across hosts)
     G = rollout_cfg.group_size
     lengths = np.asarray(out.lengths)

@@ -109,7 +109,7 @@ def _bilinear(c: dict[tuple[int, int], float], layers: int, rows: int) -> float:
 def call_rows(config, shapes) -> dict[str, int]:
     """Rows per call of each program in one RL step."""
     ref_rows = min(shapes.step_rows, config.train.logprob_rows or shapes.step_rows)
-    return {"prefill": shapes.sampler_prompts, "decode_step": shapes.sampler_rows, "ref_logprobs": ref_rows,
+    return {"prefill": shapes.sampler_prompts, "decode_step": shapes.sampler_slots, "ref_logprobs": ref_rows,
             "old_logprobs": ref_rows, "train_step": shapes.update_rows}
 
 

@@ -1,25 +1,24 @@
-"""Batched generation: one prefill pass, then jax.lax.while_loops over a preallocated KV cache, all in one jit.
+"""Batched generation: prefill each prompt once, then one jax.lax.while_loop over a fixed pool of decode slots,
+all in one jit (the program: sage_jax.decode_pool).
 
 Shapes are bucketed -- prompt length to a power of two (>= 16), new tokens to a power of two (>= 32) up to 512 and
 a multiple of 512 beyond -- and the real limits (one per row) are traced, so a training run compiles a handful of
-programs (`compile_count()`). Prompts are left-padded; `num_samples=G` prefills each prompt once and repeats its
-cache for its G rows, which come out consecutively (prompt 0's G samples first).
+programs (`compile_count()`), one per (slots, prompt, new-token) bucket. Prompts are left-padded; `num_samples=G`
+prefills each prompt once and its G rows, which come out consecutively (prompt 0's G samples first), copy its cache.
 
-Rows that stop do not wait for the slowest one: whenever no more rows are live than the next smaller batch size
-(`decode_buckets`), the live rows and their caches move into a batch of that size and decoding goes on
-there. Decode attention reads only the cache blocks written so far (model._cached_attention).
+`slots` rows decode at once over one KV cache of slots x (prompt + new-token bucket) positions; the other rows wait
+in a queue and a row that stops hands its slot to the next one at the next step (default: a slot per row, one static
+batch). Decode attention reads only the cache blocks written so far (model._cached_attention).
 
 Behaviour log-probs: `logprobs[b, j]` is log softmax(logits / T) of the sampled token *before* top-k / top-p / min-p
 truncation (log softmax(logits) when greedy, T = 0), the quantity the trainer recomputes for the policy at
-temperature T; 0 on padding. Row b's key at step j is fold_in(fold_in(key, j), b), so no two rows or steps share one.
-Each row draws one uniform (inverse CDF) and top-p is found by bisection, so no step sorts or noises the vocabulary.
+temperature T; 0 on padding. Row b's key at its step j is fold_in(fold_in(key, j), b), whatever slot it runs in and
+whenever, so no two rows or steps share one and the tokens do not depend on `slots`. Each row draws one uniform
+(inverse CDF) and top-p is found by bisection, so no step sorts or noises the vocabulary.
 """
-
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 from typing import NamedTuple, Sequence
 
 import jax
@@ -29,6 +28,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sage_jax import model as model_lib
 from sage_jax import sharding as sharding_lib
+# re-exported: sampler.generate_program / SamplerPlan / constrain_cache are what sage_jax.plan lowers
+from sage_jax.decode_pool import (SamplerPlan, auto_slots, constrain_cache, generate_program,  # noqa: F401
+                                  row_keys)
 from sage_jax.model import ModelConfig, Params
 
 
@@ -40,20 +42,6 @@ class SampleOutput(NamedTuple):
     prompt_tokens: jax.Array  # int32 [B, P], left-padded prompts (P = the prompt bucket), repeated per sample
     prompt_mask: jax.Array  # bool [B, P], True on real prompt tokens
     steps: jax.Array  # int32 [], decode steps run (fewer than N when every row stopped early)
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplerPlan:
-    """Everything static about one compiled program besides the array shapes."""
-    num_samples: int
-    new_bucket: int
-    greedy: bool
-    top_k: int
-    use_top_p: bool
-    use_min_p: bool
-    mesh: Mesh | None
-    unstack_layers: bool
-    compact: bool  # move live rows into smaller batches as rows stop (decode_buckets); False: one static batch
 
 
 _PROGRAMS: set[tuple] = set()
@@ -161,141 +149,30 @@ def _inverse_cdf(logits_BxV: jax.Array, uniform_B: jax.Array) -> jax.Array:
     return block_B * CDF_BLOCK + token_B
 
 
-def sample_tokens(logits_BxV: jax.Array, key: jax.Array, rows_B: jax.Array, *, greedy: bool,
+def _first_max(logits_BxV: jax.Array) -> jax.Array:
+    """argmax as two plain reductions (the max, then the first index holding it; NaN-free logits): jnp.argmax's
+    variadic (value, index) reduce sends LLVM's loop vectorizer on XLA:CPU into minutes of compile for small
+    vocabularies (issue 27: rollout.temperature=0 on the 23-token countdown vocabulary)."""
+    index_BxV = jax.lax.broadcasted_iota(jnp.int32, logits_BxV.shape, 1)
+    top_B = jnp.max(logits_BxV, axis=-1, keepdims=True)
+    return jnp.min(jnp.where(logits_BxV == top_B, index_BxV, logits_BxV.shape[-1]), axis=-1)
+
+
+def sample_tokens(logits_BxV: jax.Array, key: jax.Array, rows_B: jax.Array | None = None, *, greedy: bool,
                   temperature: float | jax.Array = 1.0, top_k: int = 0, top_p=None, min_p=None):
-    """-> (tokens int32 [B], behaviour log-probs float32 [B]). Row b draws with fold_in(key, rows_B[b])."""
+    """-> (tokens int32 [B], behaviour log-probs float32 [B]). Row b draws with fold_in(key, rows_B[b]), or with
+    key[b] when rows_B is None (key: [B] keys, as decode_pool.row_keys makes them)."""
     logits_BxV = logits_BxV.astype(jnp.float32)
     if greedy:
-        tokens_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+        tokens_B = _first_max(logits_BxV)
         scaled_BxV = logits_BxV
     else:
         scaled_BxV = logits_BxV / temperature
         filtered_BxV = filter_logits(scaled_BxV, top_k, top_p, min_p)
-        keys_B = jax.vmap(jax.random.fold_in, (None, 0))(key, rows_B)
+        keys_B = key if rows_B is None else jax.vmap(jax.random.fold_in, (None, 0))(key, rows_B)
         tokens_B = _inverse_cdf(filtered_BxV, jax.vmap(jax.random.uniform)(keys_B))
     picked_B = jnp.take_along_axis(scaled_BxV, tokens_B[:, None], axis=-1)[:, 0]
     return tokens_B, picked_B - jax.nn.logsumexp(scaled_BxV, axis=-1)
-
-
-# --------------------------------------------------------------------------------------------------- the program
-
-SMALLEST_BUCKET = 4  # compaction stops here: below it a decode step costs about the weights' read whatever the rows
-
-
-def decode_buckets(rows: int, dp: int = 1, compact: bool = True) -> tuple[int, ...]:
-    """Batch sizes the decode loop runs at, largest first: `rows`, then the powers of two below it and 3/4 of each
-    power of two from 32 up (64, 48, 32, 24, 16, 8, 4: finer steps where a padded slot costs the most), each
-    rounded up to a multiple of the data-parallel size dp, down to SMALLEST_BUCKET. The loop moves its live rows to
-    the next size once no more than that many are left."""
-    sizes = [rows]
-    top = rows.bit_length()
-    candidates = {1 << k for k in range(top + 1)} | {3 << (k - 2) for k in range(5, top + 1)}
-    for size in sorted(candidates, reverse=True) if compact else ():
-        size = -(-size // dp) * dp
-        if SMALLEST_BUCKET <= size < sizes[-1]:
-            sizes.append(size)
-    return tuple(sizes)
-
-
-def constrain_cache(cache: list) -> list:
-    """The KV cache's layers annotated with its logical axes."""
-    return [tuple(sharding_lib.constrain(c, model_lib.cache_axes()) for c in kv) for kv in cache]
-
-
-class _Slots(NamedTuple):
-    """The decode batch: slot b holds output row rows_b[b] (its key and where its tokens go)."""
-    rows_b: jax.Array
-    last_b: jax.Array  # the token fed at the next step
-    cache: list
-    kv_mask_bxS: jax.Array
-    prompt_len_b: jax.Array
-
-
-class _Out(NamedTuple):
-    """Per output row, in row order whatever slot a row sits in."""
-    tokens_NxC: jax.Array
-    logp_NxC: jax.Array
-    lengths_N: jax.Array
-    finished_N: jax.Array
-
-
-def _compact(slots: _Slots, done_N: jax.Array, size: int) -> _Slots:
-    """The first `size` slots after a stable sort putting live rows first (the caller ensures they all fit)."""
-    keep = jnp.argsort(done_N[slots.rows_b], stable=True)[:size]
-    take = lambda x: jnp.take(x, keep, axis=0)
-    return _Slots(take(slots.rows_b), take(slots.last_b), constrain_cache([tuple(take(c) for c in kv)
-                                                                            for kv in slots.cache]),
-                  take(slots.kv_mask_bxS), take(slots.prompt_len_b))
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("tokens_NxC", "logp_NxC"))
-def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt_BxP: jax.Array,
-                     prompt_mask_BxP: jax.Array, tokens_NxC: jax.Array, logp_NxC: jax.Array, limit_N: jax.Array,
-                     num_valid: jax.Array, temperature: jax.Array, top_p: jax.Array, min_p: jax.Array,
-                     pad_id: jax.Array, eos_E: jax.Array, key: jax.Array):
-    """The whole sampling program generate() runs (prefill, then the compacting decode loop); public so that the
-    memory plan lowers exactly this program for abstract inputs."""
-    B, P = prompt_BxP.shape
-    G, C = plan.num_samples, plan.new_bucket
-    N = B * G
-    if plan.unstack_layers:
-        params = model_lib.unstack_layers(cfg, params)
-    sample = functools.partial(sample_tokens, greedy=plan.greedy, temperature=temperature, top_k=plan.top_k,
-                               top_p=top_p if plan.use_top_p else None, min_p=min_p if plan.use_min_p else None)
-
-    # Prefill each prompt once on a cache of exactly P slots, then repeat it for the G samples and grow it by C.
-    mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
-    cache = model_lib.init_cache(cfg, B, P)
-    h_BxPxD, cache = model_lib.forward_with_cache(cfg, params, prompt_BxP, model_lib.default_positions(mask_BxP),
-                                                  cache, 0, mask_BxP, return_hidden=True)
-    logits_NxV = jnp.repeat(model_lib.logits_from_hidden(cfg, params, h_BxPxD[:, -1:])[:, 0], G, axis=0)
-    seq_axis = model_lib.cache_axes().index("cache_seq")
-    grow = lambda c: jnp.pad(jnp.repeat(c, G, axis=0), [(0, C if a == seq_axis else 0) for a in range(c.ndim)])
-    cache = constrain_cache([tuple(grow(c) for c in kv) for kv in cache])
-    mask_NxP = jnp.repeat(mask_BxP, G, axis=0)
-    # Causality in forward_with_cache already hides slots not yet written, so a row's kv mask never changes.
-    kv_mask_NxS = jnp.concatenate([mask_NxP, jnp.ones((N, C), jnp.bool_)], axis=1)
-    rows_N = jnp.arange(N, dtype=jnp.int32)
-    valid_N = rows_N < num_valid
-    done = lambda out: out.finished_N | (out.lengths_N >= limit_N) | ~valid_N
-
-    def record(i, rows_b, tok_b, logp_b, out: _Out):
-        active_b = ~done(out)[rows_b]
-        tok_b = jnp.where(active_b, tok_b, pad_id)
-        hit_eos_b = active_b & jnp.any(tok_b[:, None] == eos_E[None, :], axis=-1)
-        # A stopped row writes pad at step i, which its row already holds there.
-        return tok_b, _Out(out.tokens_NxC.at[rows_b, i].set(tok_b),
-                           out.logp_NxC.at[rows_b, i].set(jnp.where(active_b, logp_b, 0.0)),
-                           out.lengths_N.at[rows_b].add(active_b.astype(jnp.int32)),
-                           out.finished_N.at[rows_b].set(out.finished_N[rows_b] | hit_eos_b))
-
-    def body(carry):
-        i, slots, out = carry
-        positions_bx1 = (slots.prompt_len_b + i - 1)[:, None]
-        h_bx1xD, cache = model_lib.forward_with_cache(cfg, params, slots.last_b[:, None], positions_bx1, slots.cache,
-                                                      P + i - 1, slots.kv_mask_bxS, return_hidden=True)
-        logits_bxV = model_lib.logits_from_hidden(cfg, params, h_bx1xD)[:, 0]
-        tok_b, logp_b = sample(logits_bxV, jax.random.fold_in(key, i), slots.rows_b)
-        last_b, out = record(i, slots.rows_b, tok_b, logp_b, out)
-        return i + 1, slots._replace(last_b=last_b, cache=constrain_cache(cache)), out
-
-    tok_N, logp_N = sample(logits_NxV, jax.random.fold_in(key, 0), rows_N)
-    no_N = jnp.zeros((N,), jnp.bool_)
-    out = _Out(tokens_NxC, logp_NxC, jnp.zeros((N,), jnp.int32), no_N)
-    last_N, out = record(0, rows_N, tok_N, logp_N, out)
-    slots = _Slots(rows_N, last_N, cache, kv_mask_NxS, jnp.sum(mask_NxP, axis=-1, dtype=jnp.int32))
-    # Finished rows stop costing work: once no more live rows are left than the next (smaller) size, they move
-    # there and the loop goes on at that size. A row's keys and positions do not depend on its slot.
-    sizes = decode_buckets(N, _data_parallel(plan.mesh), plan.compact)
-    i = jnp.int32(1)
-    for level, size in enumerate(sizes):
-        if level:
-            slots = _compact(slots, done(out), size)
-        next_size = sizes[level + 1] if level + 1 < len(sizes) else 0
-        cond = lambda carry, n=next_size: (carry[0] < C) & (jnp.sum(~done(carry[2])) > n)
-        i, slots, out = jax.lax.while_loop(cond, body, (i, slots, out))
-    return (out.tokens_NxC, out.logp_NxC, out.lengths_N, out.finished_N, jnp.repeat(prompt_BxP, G, axis=0), mask_NxP,
-            i)
 
 
 # --------------------------------------------------------------------------------------------------- public API
@@ -313,6 +190,17 @@ def _mesh_of(params: Params) -> Mesh | None:
     return None
 
 
+def _slot_count(slots, cfg: ModelConfig, rows: int, prompts: int, P: int, C: int, mesh: Mesh | None) -> int:
+    """generate's `slots` as a number, rounded up to a multiple of data x fsdp."""
+    if slots == "auto":
+        slots = auto_slots(cfg, rows, prompts, P + C, P, mesh)
+    if slots is not None and slots != "all" and not (str(slots).isdigit() and int(slots) >= 1):
+        raise ValueError(f"slots={slots!r} must be an integer >= 1 (decode slots: rows decoded at once), 'auto' or "
+                         "'all'")
+    dp = _data_parallel(mesh)
+    return -(-(rows if slots in (None, "all") else int(slots)) // dp) * dp
+
+
 def _left_pad(prompts: Sequence[Sequence[int]], rows: int, width: int, pad_id: int):
     tokens = np.full((rows, width), pad_id, np.int32)
     mask = np.zeros((rows, width), np.bool_)
@@ -327,7 +215,7 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
              temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
              eos_ids: Sequence[int] | None = None, seed: int | jax.Array = 0, num_samples: int = 1,
              pad_id: int | None = None, mesh: Mesh | None = None, unstack_layers: bool | None = None,
-             row_max_new_tokens: Sequence[int] | None = None, compact: bool = True) -> SampleOutput:
+             row_max_new_tokens: Sequence[int] | None = None, slots: int | str | None = None) -> SampleOutput:
     """Sample `num_samples` completions of up to `max_new_tokens` for each prompt (lists of token ids).
 
     temperature 0 is greedy. eos_ids defaults to cfg.eos_token_ids, pad_id to cfg.pad_token_id; seed may be an int
@@ -335,8 +223,9 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     heads over "tensor"; the batch is padded internally to a multiple of the data-parallel size.
     unstack_layers (default: on the CPU backend only) slices the stacked layer weights once before the decode loop;
     see model.unstack_layers. row_max_new_tokens (one per output row, prompt-major, each <= max_new_tokens) stops
-    each row at its own budget, marked truncated. compact=False keeps every row in the decode batch until the last
-    one stops (the tokens are the same; it only costs more).
+    each row at its own budget, marked truncated. slots (default: one per row) is how many rows decode at once,
+    rounded up to a multiple of the data-parallel size; the others wait for a slot. The outputs do not depend on it.
+    slots="auto": as many as fit the device's free memory (decode_pool.auto_slots); "all": one per row.
     """
     prompts = [[int(t) for t in p] for p in prompts]
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -368,12 +257,13 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
         rows += 1
     P, C = prompt_bucket(longest), new_tokens_bucket(max_new_tokens)
     N = rows * G
+    S = _slot_count(slots, cfg, N, rows, P, C, mesh)
     tokens_BxP, mask_BxP = _left_pad(prompts, rows, P, pad_id)
     greedy = temperature == 0
     plan = SamplerPlan(num_samples=G, new_bucket=C, greedy=greedy, top_k=0 if greedy or top_k >= cfg.vocab_size else top_k,
                  use_top_p=not greedy and top_p < 1, use_min_p=not greedy and min_p > 0, mesh=mesh,
                  unstack_layers=jax.default_backend() == "cpu" if unstack_layers is None else bool(unstack_layers),
-                 compact=bool(compact))
+                 slots=S)
     key = seed if isinstance(seed, jax.Array) else jax.random.key(int(seed))
 
     per_row = (np.full((N, C), pad_id, np.int32), np.zeros((N, C), np.float32),

@@ -144,9 +144,9 @@ def test_bench_sampler_longtail_smoke(tmp_path):
     pytest.importorskip("torch")
     path = tmp_path / "sampler.json"
     cli.main(["sampler", "--workload", "longtail", "--preset", "tiny", "--batch", "8", "--group", "4",
-                "--prompt-len", "8", "--new-tokens", "40", "--repeats", "1", "--static", "--json", str(path)])
+                "--prompt-len", "8", "--new-tokens", "40", "--repeats", "1", "--slots", "4", "--json", str(path)])
     rows = json.loads(path.read_text())["modes"]["sampler"]
-    assert [r["impl"] for r in rows] == ["sage_jax", "transformers", "sage_jax_static"]
+    assert [r["impl"] for r in rows] == ["sage_jax", "transformers", "sage_jax_slots4"]
     lengths = workloads.longtail_lengths(8, 40)
     for r in rows:
         assert r["workload"] == "longtail" and r["tokens"] == lengths.sum() and r["len_max"] == 40

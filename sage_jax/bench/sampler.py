@@ -76,16 +76,18 @@ def _hf_generate_fn(model_dir: str, dtype: str, prompts_NxT: np.ndarray, new_tok
 
 
 def _sage_generate_fn(cfg, params, prompts_BxT: np.ndarray, new_tokens: int, group: int = 1,
-                      lengths_N: np.ndarray | None = None, compact: bool = True) -> tuple[Callable[[], None], dict]:
-    """(run, realised): greedy sampler.generate of group samples per prompt, each row stopped after lengths_N[n]
-    tokens when given (EOS ignored); realised["lengths"] as for _hf_generate_fn."""
+                      lengths_N: np.ndarray | None = None, slots: int | None = None
+                      ) -> tuple[Callable[[], None], dict]:
+    """(run, realised): greedy sampler.generate of group samples per prompt in `slots` decode slots (default: one
+    per row), each row stopped after lengths_N[n] tokens when given (EOS ignored); realised["lengths"] as for
+    _hf_generate_fn."""
     prompts = prompts_BxT.tolist()
     limits = None if lengths_N is None else [int(n) for n in lengths_N]
     realised: dict = {}
 
     def run():
         out = sampler_lib.generate(cfg, params, prompts, max_new_tokens=new_tokens, temperature=0.0, eos_ids=(),
-                               num_samples=group, row_max_new_tokens=limits, compact=compact)
+                               num_samples=group, row_max_new_tokens=limits, slots=slots)
         realised["lengths"] = np.asarray(jax.block_until_ready(out.lengths))
     return run, realised
 
@@ -149,13 +151,14 @@ def decode_attention_fn(cfg, rows: int, prompt_len: int, steps: int) -> Callable
 def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 64, prompt_len: int = 32,
                   new_tokens: int = 128, repeats: int = 3, latency: bool = True, seed: int = 0,
                   hf_threads: int | None = None, workload: str = "fixed", group: int = 1,
-                  static: bool = False) -> list[dict]:
+                  slots: tuple[int, ...] = ()) -> list[dict]:
     """Rows of {preset, batch, impl, tokens_per_s, seconds, ...}; also prints a table with the ratios last.
 
     batch rows = batch / group prompts x group samples (transformers gets each prompt repeated group times). The
     fixed workload forces new_tokens on every row (EOS ignored) and adds the matmuls-only floor; longtail forces
     workloads.longtail_lengths on both sides. tokens = the tokens each side generated before EOS (last run).
-    static: also time this sampler as one static batch (compact=False)."""
+    slots: also time this sampler with each of these numbers of decode slots (rows `sage_jax_slotsS`; the
+    sage_jax row has one slot per row)."""
     if batch % group:
         raise ValueError(f"--batch {batch} rows must be a multiple of --group {group} (rows = prompts x group)")
     rows = []
@@ -175,8 +178,8 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
                 sides = {"sage_jax": _sage_generate_fn(cfg, params, prompts, new_tokens, g, forced),
                          "transformers": _hf_generate_fn(tmp, dtype, np.repeat(prompts, g, axis=0), new_tokens,
                                                          hf_threads, forced)}
-                if static:
-                    sides["sage_jax_static"] = _sage_generate_fn(cfg, params, prompts, new_tokens, g, forced, False)
+                for n in slots if b == batch else ():
+                    sides[f"sage_jax_slots{n}"] = _sage_generate_fn(cfg, params, prompts, new_tokens, g, forced, n)
                 fns = {k: fn for k, (fn, _) in sides.items()}
                 if workload == "fixed":
                     fns[MATMULS_ONLY], floor_flops = decode_matmuls_fn(cfg, params, b, new_tokens)
@@ -242,4 +245,5 @@ def sampler_mode(args) -> list[dict]:
     new_tokens = args.new_tokens or (512 if longtail else 128)
     group = args.group or (8 if longtail else 1)
     return bench_sampler(presets, args.dtype, args.batch, args.prompt_len, new_tokens, args.repeats,
-                         hf_threads=args.hf_threads, workload=args.workload, group=group, static=args.static)
+                         hf_threads=args.hf_threads, workload=args.workload, group=group,
+                         slots=tuple(int(n) for n in args.slots.split(",") if n))

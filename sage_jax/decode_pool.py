@@ -1,0 +1,188 @@
+"""The sampler's program: prefill every prompt once, then one decode loop over a fixed pool of S slots.
+
+One KV cache of S x (P + C) positions is allocated once. Rows (prompt x sample, prompt-major) wait in a queue; a row
+that starts in a slot copies its prompt's prefilled keys and values into that slot's row of the cache (one
+dynamic_update_slice per layer, never a copy of the whole cache), and when it stops (EOS or its own limit) the slot
+takes the next queued row at the next step. The loop ends when the queue is empty and every slot is idle.
+
+A row's cache layout, positions and keys do not depend on its slot or on when it runs: its prompt fills cache
+positions [0, P) (left-padded), its token j - 1 is written at P + j - 1 (each slot has its own write position:
+model.forward_with_cache with a [S] cache index), and its token j is drawn with fold_in(fold_in(key, j), row). So the
+tokens equal one static batch's (S = all rows) for the same key, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from sage_jax import model as model_lib
+from sage_jax import sharding as sharding_lib
+from sage_jax.model import ModelConfig, Params
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerPlan:
+    """Everything static about one compiled program besides the array shapes."""
+    num_samples: int
+    new_bucket: int
+    greedy: bool
+    top_k: int
+    use_top_p: bool
+    use_min_p: bool
+    mesh: Mesh | None
+    unstack_layers: bool
+    slots: int  # decode slots S (a multiple of data x fsdp): rows beyond S wait for a slot to free up
+
+
+def constrain_cache(cache: list) -> list:
+    """The KV cache's layers annotated with its logical axes."""
+    return [tuple(sharding_lib.constrain(c, model_lib.cache_axes()) for c in kv) for kv in cache]
+
+
+class _Out(NamedTuple):
+    """Per output row, in row order whatever slot a row sits in."""
+    tokens_NxC: jax.Array
+    logp_NxC: jax.Array
+    lengths_N: jax.Array
+    finished_N: jax.Array
+
+
+class _Pool(NamedTuple):
+    """Slot s holds row row_S[s] (N: none), which has pos_S[s] tokens so far; last_S is the token fed next."""
+    row_S: jax.Array
+    pos_S: jax.Array
+    last_S: jax.Array
+    cache: list
+    next_row: jax.Array  # rows below it have had a slot (or stopped at their first token)
+    steps: jax.Array  # decode steps run, the prefill's token counted as the first
+
+
+def row_keys(key: jax.Array, steps_B: jax.Array, rows_B: jax.Array) -> jax.Array:
+    """Row b's key at its decode position steps_B[b]: fold_in(fold_in(key, step), row)."""
+    return jax.vmap(lambda j, r: jax.random.fold_in(jax.random.fold_in(key, j), r))(steps_B, rows_B)
+
+
+def _copy_prompts(cache: list, prompt_cache: list, slots_K: jax.Array, prompts_K: jax.Array, count) -> list:
+    """Prompt prompts_K[k]'s prefilled entries into the first P positions of slot slots_K[k], for k < count.
+
+    16-bit floats are moved as uint16 (bitcasts are free): XLA:CPU does a bf16 dynamic_update_slice in float32 and
+    then carries a float32 copy of the whole cache through the decode loop (model._write_cache does the same)."""
+    bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype.itemsize == 2 else a
+
+    def one(k, cache):
+        s, p = slots_K[k], prompts_K[k]
+        put = lambda c, pc: jax.lax.dynamic_update_slice(c, jax.lax.dynamic_slice_in_dim(pc, p, 1, 0), (s, 0, 0, 0))
+        return [tuple(put(c, bits(pc)) for c, pc in zip(kv, pkv)) for kv, pkv in zip(cache, prompt_cache)]
+    moved = jax.lax.fori_loop(0, count, one, [tuple(map(bits, kv)) for kv in cache])
+    back = lambda a, like: jax.lax.bitcast_convert_type(a, like.dtype) if a.dtype != like.dtype else a
+    return [tuple(map(back, kv, lkv)) for kv, lkv in zip(moved, cache)]
+
+
+def _refill(pool: _Pool, done_N: jax.Array, out: _Out, prompt_cache: list, G: int) -> _Pool:
+    """Every idle slot takes the next queued row that has not already stopped (at its first token), in row order."""
+    N, S = done_N.shape[0], pool.row_S.shape[0]
+    rows_N = jnp.arange(N, dtype=jnp.int32)
+    busy_S = (pool.row_S < N) & ~done_N[jnp.minimum(pool.row_S, N - 1)]
+    rank_N = jnp.cumsum((rows_N >= pool.next_row) & ~done_N, dtype=jnp.int32)  # 1-based rank among queued rows
+    want_S = jnp.where(busy_S, 0, jnp.cumsum(~busy_S, dtype=jnp.int32))  # 1-based rank among idle slots
+    pick_S = jnp.searchsorted(rank_N, want_S, side="left").astype(jnp.int32)  # the queued row of that rank
+    got_S = ~busy_S & (want_S <= rank_N[-1])
+    row_S = jnp.where(got_S, pick_S, jnp.where(busy_S, pool.row_S, N))
+    next_row = jnp.maximum(pool.next_row, jnp.max(jnp.where(got_S, pick_S + 1, 0)))
+    order_S = jnp.nonzero(got_S, size=S, fill_value=0)[0].astype(jnp.int32)  # the refilled slots first
+    cache = _copy_prompts(pool.cache, prompt_cache, order_S, row_S[order_S] // G, jnp.sum(got_S, dtype=jnp.int32))
+    first_S = out.tokens_NxC[jnp.minimum(row_S, N - 1), 0]
+    return pool._replace(row_S=row_S, pos_S=jnp.where(got_S, 1, pool.pos_S),
+                         last_S=jnp.where(got_S, first_S, pool.last_S), cache=constrain_cache(cache),
+                         next_row=next_row)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("tokens_NxC", "logp_NxC"))
+def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt_BxP: jax.Array,
+                     prompt_mask_BxP: jax.Array, tokens_NxC: jax.Array, logp_NxC: jax.Array, limit_N: jax.Array,
+                     num_valid: jax.Array, temperature: jax.Array, top_p: jax.Array, min_p: jax.Array,
+                     pad_id: jax.Array, eos_E: jax.Array, key: jax.Array):
+    """The whole sampling program sampler.generate runs (prefill, then the slot pool's decode loop); public so that
+    the memory plan lowers exactly this program for abstract inputs."""
+    from sage_jax.sampler import sample_tokens
+    B, P = prompt_BxP.shape
+    G, C, S = plan.num_samples, plan.new_bucket, plan.slots
+    N = B * G
+    if plan.unstack_layers:
+        params = model_lib.unstack_layers(cfg, params)
+    sample = functools.partial(sample_tokens, greedy=plan.greedy, temperature=temperature, top_k=plan.top_k,
+                               top_p=top_p if plan.use_top_p else None, min_p=min_p if plan.use_min_p else None)
+
+    mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
+    prompt_cache = constrain_cache(model_lib.init_cache(cfg, B, P))
+    h_BxPxD, prompt_cache = model_lib.forward_with_cache(cfg, params, prompt_BxP, model_lib.default_positions(mask_BxP),
+                                                         prompt_cache, 0, mask_BxP, return_hidden=True)
+    prompt_cache = constrain_cache(prompt_cache)
+    logits_NxV = jnp.repeat(model_lib.logits_from_hidden(cfg, params, h_BxPxD[:, -1:])[:, 0], G, axis=0)
+    prompt_len_B = jnp.sum(mask_BxP, axis=-1, dtype=jnp.int32)
+    rows_N = jnp.arange(N, dtype=jnp.int32)
+    valid_N = rows_N < num_valid
+    done = lambda out: out.finished_N | (out.lengths_N >= limit_N) | ~valid_N
+
+    def record(out: _Out, row_b, pos_b, active_b, tok_b, logp_b) -> _Out:
+        tok_b = jnp.where(active_b, tok_b, pad_id)
+        hit_eos_b = active_b & jnp.any(tok_b[:, None] == eos_E[None, :], axis=-1)
+        at_b = jnp.where(active_b, row_b, N)  # idle slots write nowhere (N is out of range: dropped)
+        return _Out(out.tokens_NxC.at[at_b, pos_b].set(tok_b, mode="drop"),
+                    out.logp_NxC.at[at_b, pos_b].set(logp_b, mode="drop"),
+                    out.lengths_N.at[at_b].add(1, mode="drop"),
+                    out.finished_N.at[at_b].set(hit_eos_b, mode="drop"))
+
+    # Every row's first token comes from its prompt's prefill logits (position 0).
+    zeros_N = jnp.zeros((N,), jnp.int32)
+    tok_N, logp_N = sample(logits_NxV, row_keys(key, zeros_N, rows_N))
+    out = record(_Out(tokens_NxC, logp_NxC, zeros_N, jnp.zeros((N,), jnp.bool_)), rows_N, zeros_N, valid_N, tok_N,
+                 logp_N)
+    cache = constrain_cache(model_lib.init_cache(cfg, S, P + C))
+    empty_S = jnp.full((S,), N, jnp.int32)
+    pool = _Pool(empty_S, jnp.ones((S,), jnp.int32), jnp.zeros((S,), jnp.int32), cache, jnp.int32(0), jnp.int32(1))
+    pool = _refill(pool, done(out), out, prompt_cache, G)
+    active = lambda pool, out: (pool.row_S < N) & ~done(out)[jnp.minimum(pool.row_S, N - 1)]
+
+    def body(carry):
+        pool, out = carry
+        active_S = active(pool, out)
+        prompt_S = jnp.minimum(pool.row_S, N - 1) // G
+        # An idle slot writes at position 0 and reads nothing else, so the attention bound (the furthest filled
+        # position over slots) only follows the live rows.
+        index_S = jnp.where(active_S, P + pool.pos_S - 1, 0)
+        kv_mask_SxT = jnp.concatenate([mask_BxP[prompt_S], jnp.ones((S, C), jnp.bool_)], axis=1) & active_S[:, None]
+        positions_Sx1 = (prompt_len_B[prompt_S] + pool.pos_S - 1)[:, None]
+        h_Sx1xD, cache = model_lib.forward_with_cache(cfg, params, pool.last_S[:, None], positions_Sx1, pool.cache,
+                                                      index_S, kv_mask_SxT, return_hidden=True)
+        logits_SxV = model_lib.logits_from_hidden(cfg, params, h_Sx1xD)[:, 0]
+        tok_S, logp_S = sample(logits_SxV, row_keys(key, pool.pos_S, jnp.minimum(pool.row_S, N - 1)))
+        out = record(out, pool.row_S, pool.pos_S, active_S, tok_S, logp_S)
+        pool = pool._replace(pos_S=pool.pos_S + active_S, last_S=tok_S, cache=constrain_cache(cache),
+                             steps=pool.steps + 1)
+        return _refill(pool, done(out), out, prompt_cache, G), out
+
+    pool, out = jax.lax.while_loop(lambda carry: jnp.any(active(*carry)), body, (pool, out))
+    return (out.tokens_NxC, out.logp_NxC, out.lengths_N, out.finished_N, jnp.repeat(prompt_BxP, G, axis=0),
+            jnp.repeat(mask_BxP, G, axis=0), pool.steps)
+
+
+def auto_slots(cfg: ModelConfig, rows: int, prompts: int, cache_len: int, prompt_len: int, mesh: Mesh | None,
+               headroom: float = 0.8) -> int:
+    """The most slots (a multiple of data x fsdp, at most `rows`) whose KV cache fits `headroom` of the first local
+    device's free memory once the prompt caches are counted; all rows where the backend reports no limit (CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return rows
+    dp = mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1
+    tp = mesh.shape["tensor"] if mesh is not None and cfg.num_kv_heads % mesh.shape["tensor"] == 0 else 1
+    per_position = 2 * cfg.num_layers * (cfg.num_kv_heads // tp) * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
+    free = headroom * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) - per_position * prompt_len * prompts / dp
+    per_device = int(free // (per_position * cache_len))
+    return max(dp, min(rows, per_device * dp) // dp * dp)
