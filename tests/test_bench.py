@@ -154,6 +154,17 @@ def test_bench_sampler_longtail_smoke(tmp_path):
     assert rows[0]["vs_transformers"] == pytest.approx(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"])
 
 
+def test_bench_sampler_on_an_hf_model_directory(tmp_path):
+    """--model DIR: both sides load that directory's weights (here a tiny model saved as HF), not a preset."""
+    pytest.importorskip("torch")
+    cfg = model.preset("tiny", eos_token_ids=())
+    model.save_hf(tmp_path / "m", cfg, common.init_params(cfg, 3))
+    rows = cli.main(["sampler", "--model", str(tmp_path / "m"), "--workload", "longtail", "--batch", "4",
+                     "--group", "2", "--prompt-len", "8", "--new-tokens", "16", "--repeats", "1"])["sampler"]
+    assert [r["impl"] for r in rows] == ["sage_jax", "transformers"] and rows[0]["preset"] == "m"
+    assert rows[0]["tokens"] == rows[1]["tokens"] == workloads.longtail_lengths(4, 16).sum()
+
+
 def test_rl_step_longtail_packed_and_padded(tmp_path, monkeypatch):
     """Smoke run of `rl_step --workload longtail --layout both`: both layouts, less padding when packed, JSON out.
     Each layout's steps are trainer.rl_step calls (the warm-up step included) on rollouts with the workload's

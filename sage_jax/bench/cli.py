@@ -79,6 +79,8 @@ def sampler_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workload", default="fixed", choices=list(workloads.WORKLOADS),
                         help="sampler: completion lengths forced on both sides (see sage_jax.workloads)")
     parser.add_argument("--group", type=int, default=None, help="sampler: samples per prompt (default 1; longtail 8)")
+    parser.add_argument("--model", default=None, metavar="DIR",
+                        help="sampler: time this HF model directory (both sides load it) instead of the presets")
     parser.add_argument("--slots", default="", help="sampler: also time these numbers of decode slots, e.g. 32,16 "
                         "(the sage_jax row has one slot per row)")
     _json_flag(parser)

@@ -2,6 +2,7 @@
 
   python -m sage_jax.bench sampler --preset both --dtype fp32 --batch 64
   python -m sage_jax.bench sampler --workload longtail --preset small --json docs/results/sampler_longtail.json
+  python -m sage_jax.bench sampler --model /tmp/smollm2 --workload longtail --batch 16 --group 4   # a real HF model
 
 This sampler's tokens/s against transformers' `generate` (torch, CPU) on the same random weights, batch,
 prompt length and forced completion lengths (greedy): `--workload fixed` runs every row to --new-tokens (EOS
@@ -148,10 +149,26 @@ def decode_attention_fn(cfg, rows: int, prompt_len: int, steps: int) -> Callable
     return lambda: program(cache, q)
 
 
+def _models(presets, dtype: str, seed: int, model_dir: str | None):
+    """(name, cfg, params, HF directory) for each model timed: the HF directory model_dir (both sides load its
+    weights; EOS ignored, lengths forced as for a preset), else each random-init preset saved to a temporary one."""
+    if model_dir:
+        cfg, params = model.load_hf(model_dir, dtype=jnp.dtype(DTYPES[dtype]))
+        cfg = cfg.replace(compute_dtype=DTYPES[dtype], eos_token_ids=())
+        yield os.path.basename(os.path.normpath(model_dir)), cfg, params, model_dir
+        return
+    for name in presets:
+        cfg = model.preset(name, param_dtype=DTYPES[dtype], compute_dtype=DTYPES[dtype], eos_token_ids=())
+        params = common.init_params(cfg, seed)
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_hf(tmp, cfg, params)
+            yield name, cfg, params, tmp
+
+
 def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 64, prompt_len: int = 32,
                   new_tokens: int = 128, repeats: int = 3, latency: bool = True, seed: int = 0,
                   hf_threads: int | None = None, workload: str = "fixed", group: int = 1,
-                  slots: tuple[int, ...] = ()) -> list[dict]:
+                  slots: tuple[int, ...] = (), model_dir: str | None = None) -> list[dict]:
     """Rows of {preset, batch, impl, tokens_per_s, seconds, ...}; also prints a table with the ratios last.
 
     batch rows = batch / group prompts x group samples (transformers gets each prompt repeated group times). The
@@ -163,54 +180,50 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
         raise ValueError(f"--batch {batch} rows must be a multiple of --group {group} (rows = prompts x group)")
     rows = []
     load_before = os.getloadavg()[0]
-    for name in presets:
-        cfg = model.preset(name, param_dtype=DTYPES[dtype], compute_dtype=DTYPES[dtype], eos_token_ids=())
-        params = common.init_params(cfg, seed)
+    for name, cfg, params, tmp in _models(presets, dtype, seed, model_dir):
         rng = np.random.default_rng(seed)
-        with tempfile.TemporaryDirectory() as tmp:
-            model.save_hf(tmp, cfg, params)
-            sizes = [batch, 1] if latency and batch != 1 and workload == "fixed" else [batch]
-            for b in sizes:
-                g = group if b == batch else 1
-                prompts = rng.integers(1, cfg.vocab_size, (b // g, prompt_len))
-                lengths = workloads.workload_lengths(workload, b, new_tokens, seed)
-                forced = None if workload == "fixed" else lengths
-                sides = {"sage_jax": _sage_generate_fn(cfg, params, prompts, new_tokens, g, forced),
-                         "transformers": _hf_generate_fn(tmp, dtype, np.repeat(prompts, g, axis=0), new_tokens,
-                                                         hf_threads, forced)}
-                for n in slots if b == batch else ():
-                    sides[f"sage_jax_slots{n}"] = _sage_generate_fn(cfg, params, prompts, new_tokens, g, forced, n)
-                fns = {k: fn for k, (fn, _) in sides.items()}
-                if workload == "fixed":
-                    fns[MATMULS_ONLY], floor_flops = decode_matmuls_fn(cfg, params, b, new_tokens)
-                    fns[ATTENTION_ONLY] = decode_attention_fn(cfg, b, prompt_len, new_tokens)
-                compiled_before = sampler_lib.compile_count()
-                seconds = {k: statistics.median(t) for k, t in common.interleaved_seconds(fns, repeats).items()}
-                if workload == "fixed":
-                    seconds[MATMULS_ATTENTION] = seconds[MATMULS_ONLY] + seconds[ATTENTION_ONLY]
-                compiled = sampler_lib.compile_count() - compiled_before
-                group_rows = []
-                for impl, s in seconds.items():
-                    made = sides[impl][1]["lengths"] if impl in sides else lengths
-                    row = dict(preset=name, dtype=dtype, workload=workload, batch=b, group=g, prompt_len=prompt_len,
-                               new_tokens=new_tokens, impl=impl, seconds=s, tokens_per_s=int(np.sum(made)) / s,
-                               **workloads.length_quantiles(made, new_tokens))
-                    if workload == "fixed" and impl == ATTENTION_ONLY:
-                        row |= dict(ms_per_step=1e3 * s / new_tokens)
-                    elif workload == "fixed":
-                        peak = floor_flops / seconds[MATMULS_ONLY]
-                        f = floor_flops if impl in (MATMULS_ONLY, MATMULS_ATTENTION) else flops.decode_flops(
-                            cfg, b // g, g, prompt_len, new_tokens)
-                        row |= dict(ms_per_step=1e3 * s / new_tokens, model_gflops=f / 1e9, gflops_per_s=f / s / 1e9,
-                                    frac_of_peak=f / s / peak)
-                    group_rows.append(row)
-                ours, theirs = group_rows[0], group_rows[1]
-                if workload == "fixed":  # our fraction of the ceiling that counts the attention
-                    ceiling = next(r for r in group_rows if r["impl"] == MATMULS_ATTENTION)
-                    ours["frac_of_matmuls_attention"] = ours["frac_of_peak"] / ceiling["frac_of_peak"]
-                ours["programs_compiled"] = compiled
-                ours["vs_transformers"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
-                rows += group_rows
+        sizes = [batch, 1] if latency and batch != 1 and workload == "fixed" else [batch]
+        for b in sizes:
+            g = group if b == batch else 1
+            prompts = rng.integers(1, cfg.vocab_size, (b // g, prompt_len))
+            lengths = workloads.workload_lengths(workload, b, new_tokens, seed)
+            forced = None if workload == "fixed" else lengths
+            sides = {"sage_jax": _sage_generate_fn(cfg, params, prompts, new_tokens, g, forced),
+                     "transformers": _hf_generate_fn(tmp, dtype, np.repeat(prompts, g, axis=0), new_tokens,
+                                                     hf_threads, forced)}
+            for n in slots if b == batch else ():
+                sides[f"sage_jax_slots{n}"] = _sage_generate_fn(cfg, params, prompts, new_tokens, g, forced, n)
+            fns = {k: fn for k, (fn, _) in sides.items()}
+            if workload == "fixed":
+                fns[MATMULS_ONLY], floor_flops = decode_matmuls_fn(cfg, params, b, new_tokens)
+                fns[ATTENTION_ONLY] = decode_attention_fn(cfg, b, prompt_len, new_tokens)
+            compiled_before = sampler_lib.compile_count()
+            seconds = {k: statistics.median(t) for k, t in common.interleaved_seconds(fns, repeats).items()}
+            if workload == "fixed":
+                seconds[MATMULS_ATTENTION] = seconds[MATMULS_ONLY] + seconds[ATTENTION_ONLY]
+            compiled = sampler_lib.compile_count() - compiled_before
+            group_rows = []
+            for impl, s in seconds.items():
+                made = sides[impl][1]["lengths"] if impl in sides else lengths
+                row = dict(preset=name, dtype=dtype, workload=workload, batch=b, group=g, prompt_len=prompt_len,
+                           new_tokens=new_tokens, impl=impl, seconds=s, tokens_per_s=int(np.sum(made)) / s,
+                           **workloads.length_quantiles(made, new_tokens))
+                if workload == "fixed" and impl == ATTENTION_ONLY:
+                    row |= dict(ms_per_step=1e3 * s / new_tokens)
+                elif workload == "fixed":
+                    peak = floor_flops / seconds[MATMULS_ONLY]
+                    f = floor_flops if impl in (MATMULS_ONLY, MATMULS_ATTENTION) else flops.decode_flops(
+                        cfg, b // g, g, prompt_len, new_tokens)
+                    row |= dict(ms_per_step=1e3 * s / new_tokens, model_gflops=f / 1e9, gflops_per_s=f / s / 1e9,
+                                frac_of_peak=f / s / peak)
+                group_rows.append(row)
+            ours, theirs = group_rows[0], group_rows[1]
+            if workload == "fixed":  # our fraction of the ceiling that counts the attention
+                ceiling = next(r for r in group_rows if r["impl"] == MATMULS_ATTENTION)
+                ours["frac_of_matmuls_attention"] = ours["frac_of_peak"] / ceiling["frac_of_peak"]
+            ours["programs_compiled"] = compiled
+            ours["vs_transformers"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
+            rows += group_rows
     _print_sampler_table(rows)
     print(f"sampler programs compiled in this run: {sampler_lib.compile_count()}; 1-min load average "
           f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)")
@@ -246,4 +259,4 @@ def sampler_mode(args) -> list[dict]:
     group = args.group or (8 if longtail else 1)
     return bench_sampler(presets, args.dtype, args.batch, args.prompt_len, new_tokens, args.repeats,
                          hf_threads=args.hf_threads, workload=args.workload, group=group,
-                         slots=tuple(int(n) for n in args.slots.split(",") if n))
+                         slots=tuple(int(n) for n in args.slots.split(",") if n), model_dir=args.model)
