@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from sage_jax import model as model_lib
 from sage_jax import sharding as sharding_lib
 from sage_jax.model import ModelConfig, Params
+from sage_jax.sampling import sample_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +111,6 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
                      pad_id: jax.Array, eos_E: jax.Array, key: jax.Array):
     """The whole sampling program sampler.generate runs (prefill, then the slot pool's decode loop); public so that
     the memory plan lowers exactly this program for abstract inputs."""
-    from sage_jax.sampler import sample_tokens
     B, P = prompt_BxP.shape
     G, C, S = plan.num_samples, plan.new_bucket, plan.slots
     N = B * G
