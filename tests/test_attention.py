@@ -52,6 +52,18 @@ def test_tile_ranges_skip_tiles_between_sequences():
     np.testing.assert_array_equal(last, [2, 2, 4, 4, 4, 5])
 
 
+def _assert_blockwise_equals_naive(q, k, v, seg, w, block: int) -> None:
+    """Outputs and gradients (of a w-weighted loss) of blockwise attention equal naive attention on real tokens."""
+    real = (seg > 0)[:, :, None, None]
+    loss = lambda fn: lambda q, k, v: jnp.sum(jnp.where(real, jnp.sin(fn(q, k, v, seg)) * w, 0.0))
+    blocked = lambda *a: attention.blockwise(*a, block=block)
+    np.testing.assert_allclose(np.where(real, blocked(q, k, v, seg), 0),
+                               np.where(real, attention.naive(q, k, v, seg), 0), atol=2e-5)
+    for a, b in zip(jax.grad(loss(blocked), argnums=(0, 1, 2))(q, k, v),
+                    jax.grad(loss(attention.naive), argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b, atol=5e-5)
+
+
 def test_blockwise_equals_naive_for_non_contiguous_segment_ids():
     """ids [1]*64 + [0]*128 + [1]*64: the last 64 tokens attend back to the first 64, across the padding."""
     T = 256
@@ -61,14 +73,7 @@ def test_blockwise_equals_naive_for_non_contiguous_segment_ids():
     np.testing.assert_array_equal(last, [3, 3, 3, 3])
     q, k, v = _qkv(T=T, seed=7)
     w = jax.random.normal(jax.random.key(8), q.shape)
-    real = (seg > 0)[:, :, None, None]
-    loss = lambda fn: lambda q, k, v: jnp.sum(jnp.where(real, jnp.sin(fn(q, k, v, seg)) * w, 0.0))
-    blocked = lambda *a: attention.blockwise(*a, block=64)
-    np.testing.assert_allclose(np.where(real, blocked(q, k, v, seg), 0),
-                               np.where(real, attention.naive(q, k, v, seg), 0), atol=2e-5)
-    for a, b in zip(jax.grad(loss(blocked), argnums=(0, 1, 2))(q, k, v),
-                    jax.grad(loss(attention.naive), argnums=(0, 1, 2))(q, k, v)):
-        np.testing.assert_allclose(a, b, atol=5e-5)
+    _assert_blockwise_equals_naive(q, k, v, seg, w, block=64)
 
 
 def test_blockwise_equals_naive_where_tiles_are_skipped():
@@ -87,14 +92,7 @@ def test_blockwise_equals_naive_where_tiles_are_skipped():
     assert visited <= 2 * n - 1 < n * (n + 1) // 2  # the diagonal and at most one tile below it, not all causal ones
     q, k, v = _qkv(T=T, seed=4)
     w = jax.random.normal(jax.random.key(5), q.shape)
-    real = (seg > 0)[:, :, None, None]
-    loss = lambda fn: lambda q, k, v: jnp.sum(jnp.where(real, jnp.sin(fn(q, k, v, seg)) * w, 0.0))
-    blocked = lambda *a: attention.blockwise(*a, block=8)
-    np.testing.assert_allclose(np.where(real, blocked(q, k, v, seg), 0),
-                               np.where(real, attention.naive(q, k, v, seg), 0), atol=2e-5)
-    for a, b in zip(jax.grad(loss(blocked), argnums=(0, 1, 2))(q, k, v),
-                    jax.grad(loss(attention.naive), argnums=(0, 1, 2))(q, k, v)):
-        np.testing.assert_allclose(a, b, atol=5e-5)
+    _assert_blockwise_equals_naive(q, k, v, seg, w, block=8)
 
 
 def test_segments_do_not_see_each_other():

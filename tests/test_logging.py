@@ -150,52 +150,49 @@ def test_progress_postfix():
     assert silent.getvalue() == ""
 
 
-def test_setup_python_logging(tmp_path):
+@pytest.fixture
+def root_logging():
+    """The root logger as a test found it, restored after it (handlers sage_jax added are closed)."""
     root = logging.getLogger()
     before = list(root.handlers), root.level
-    try:
-        slog.setup_python_logging(tmp_path, "INFO", is_primary=True)
-        slog.setup_python_logging(tmp_path, "INFO", is_primary=True)  # idempotent: no duplicate lines
-        logging.getLogger("sage_jax.test").info("hello %d", 7)
-        for h in root.handlers:
-            h.flush()
-        lines = (tmp_path / "log.txt").read_text().splitlines()
-        assert len(lines) == 1 and lines[0].endswith("I sage_jax.test] hello 7")
-        with pytest.raises(ValueError, match="log level"):
-            slog.setup_python_logging(tmp_path, "LOUD")
-    finally:
-        for h in [h for h in root.handlers if getattr(h, "_sage_jax", False)]:
-            root.removeHandler(h)
-            h.close()
-        root.handlers[:] = before[0]
-        root.setLevel(before[1])
+    yield root
+    for h in [h for h in root.handlers if getattr(h, "_sage_jax", False)]:
+        root.removeHandler(h)
+        h.close()
+    root.handlers[:] = before[0]
+    root.setLevel(before[1])
 
 
-def test_step_summary_is_logged_without_the_bar(tmp_path, capsys):
+def test_setup_python_logging(tmp_path, root_logging):
+    root = root_logging
+    slog.setup_python_logging(tmp_path, "INFO", is_primary=True)
+    slog.setup_python_logging(tmp_path, "INFO", is_primary=True)  # idempotent: no duplicate lines
+    logging.getLogger("sage_jax.test").info("hello %d", 7)
+    for h in root.handlers:
+        h.flush()
+    lines = (tmp_path / "log.txt").read_text().splitlines()
+    assert len(lines) == 1 and lines[0].endswith("I sage_jax.test] hello 7")
+    with pytest.raises(ValueError, match="log level"):
+        slog.setup_python_logging(tmp_path, "LOUD")
+
+
+def test_step_summary_is_logged_without_the_bar(tmp_path, capsys, root_logging):
     """train.progress=False: each step's one-line summary still reaches the console and log.txt; with the bar on,
     log.txt still gets it and the console only the bar."""
-    root = logging.getLogger()
-    before = list(root.handlers), root.level
-    try:
-        slog.setup_python_logging(tmp_path, "INFO", is_primary=True)
-        quiet = slog.Progress(total=10, enabled=False)
-        quiet.update(1, {"rl/reward": 0.25})
-        quiet.update(2, {"rl/reward": 0.5, "rl/kl": 0.01})
-        quiet.close()
-        bar = slog.Progress(total=10, enabled=True, file=(out := io.StringIO()), desc="rl")
-        bar.update(3, {"rl/reward": 0.75})
-        bar.close()
-        for h in root.handlers:
-            h.flush()
-        lines = (tmp_path / "log.txt").read_text().splitlines()
-        assert [line.split("] ", 1)[1].split(", step_s")[0] for line in lines] == [
-            "train step 1/10: reward=0.25", "train step 2/10: reward=0.5, kl=0.01", "rl step 3/10: reward=0.75"]
-        err = capsys.readouterr().err
-        assert "train step 1/10: reward=0.25" in err and "train step 2/10" in err and "rl step 3/10" not in err
-        assert "reward=0.75" in out.getvalue()
-    finally:
-        for h in [h for h in root.handlers if getattr(h, "_sage_jax", False)]:
-            root.removeHandler(h)
-            h.close()
-        root.handlers[:] = before[0]
-        root.setLevel(before[1])
+    root = root_logging
+    slog.setup_python_logging(tmp_path, "INFO", is_primary=True)
+    quiet = slog.Progress(total=10, enabled=False)
+    quiet.update(1, {"rl/reward": 0.25})
+    quiet.update(2, {"rl/reward": 0.5, "rl/kl": 0.01})
+    quiet.close()
+    bar = slog.Progress(total=10, enabled=True, file=(out := io.StringIO()), desc="rl")
+    bar.update(3, {"rl/reward": 0.75})
+    bar.close()
+    for h in root.handlers:
+        h.flush()
+    lines = (tmp_path / "log.txt").read_text().splitlines()
+    assert [line.split("] ", 1)[1].split(", step_s")[0] for line in lines] == [
+        "train step 1/10: reward=0.25", "train step 2/10: reward=0.5, kl=0.01", "rl step 3/10: reward=0.75"]
+    err = capsys.readouterr().err
+    assert "train step 1/10: reward=0.25" in err and "train step 2/10" in err and "rl step 3/10" not in err
+    assert "reward=0.75" in out.getvalue()
