@@ -56,3 +56,22 @@ def test_bootstrap_intervals_and_paired_compare():
     out = task_choice.compare(before, after, [1, 4])
     assert out["pass@1"]["after_minus_before"][0] == pytest.approx(5 / 24, abs=1e-3)
     assert out["pass@1"]["after_minus_before"][1] > 0 and out["pass@1"]["problems"] == 6
+
+
+def test_generator_candidates_are_worded_and_scored_by_their_own_rewards():
+    from sage_jax.experiments import task_choice
+    from sage_jax.rewards import countdown, kk
+    examples, score = task_choice.generated_candidate("countdown_words", 6, seed=1)
+    again, _ = task_choice.generated_candidate("countdown_words", 6, seed=1)
+    assert [e.problem for e in examples] == [e.problem for e in again]  # deterministic in the seed
+    for ex in examples:
+        assert "Use the numbers" in ex.problem and str(ex.meta["target"]) in ex.problem
+        solution = countdown.solve(ex.meta["numbers"], ex.meta["target"])[0]
+        assert score(f"{solution}={ex.meta['target']}", ex) == 1.0
+        assert score(f"{solution}={ex.meta['target'] + 1}", ex) == 0.0
+    puzzles, kk_score = task_choice.generated_candidate("kk_2people", 4, seed=1)
+    for ex in puzzles:
+        assert ex.problem.count("inhabitants") >= 1 and len(ex.meta["gold"]["names"]) == 2
+        right = kk.format_solution(ex.meta["gold"])
+        wrong = kk.format_solution({**ex.meta["gold"], "solution": [not s for s in ex.meta["gold"]["solution"]]})
+        assert kk_score(f"<answer>{right}</answer>", ex) == 1.0 and kk_score(f"<answer>{wrong}</answer>", ex) == 0.0

@@ -2,6 +2,8 @@
 
     python -m sage_jax.experiments.task_choice --config configs/smollm2_cpu.py --candidates \
         arith_words,gsm8k_heldout,math_train_l1to2 --problems 48 --n 16 --out docs/results/smollm2_task_choice.json
+    python -m sage_jax.experiments.task_choice --config configs/smollm2_cpu.py --candidates \
+        countdown_words,kk_2people --problems 16 --n 16   # the generators, worded for an instruct model
     python -m sage_jax.experiments.task_choice --compare WORKDIR/eval/before/arith_words/samples.jsonl \
         WORKDIR/eval/after/arith_words/samples.jsonl
 
@@ -56,18 +58,61 @@ def _read(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+# The generator tasks, worded for an instruct model (the CPU countdown task's "3 4 2>10:" prompt is for a character
+# model trained from scratch). Each names its own answer format, which its reward reads.
+GENERATED = ("countdown_words", "kk_2people")
+
+
+def _countdown_words(problems: int, seed: int) -> list:
+    from sage_jax.data.loaders import Example
+    from sage_jax.rewards import countdown
+    out = []
+    for i, p in enumerate(countdown.generate_problems(problems, seed, num_numbers=3, high=15)):
+        nums = ", ".join(map(str, p["numbers"][:-1])) + f" and {p['numbers'][-1]}"
+        text = (f"Use the numbers {nums}, each exactly once, with + - * / and parentheses, to make {p['target']}. "
+                "Reply with only the equation on one line, for example (1+2)*3=9.")
+        out.append(Example(text, str(p["target"]), {"numbers": list(p["numbers"]), "target": int(p["target"]),
+                                                    "id": f"cd{i}"}))
+    return out
+
+
+def _kk_people(problems: int, seed: int, people: int = 2) -> list:
+    from sage_jax.data.loaders import Example
+    from sage_jax.rewards import kk
+    out = []
+    for i, row in enumerate(kk.generate_dataset([people], problems, seed)):
+        out.append(Example(kk.prompt(row), row.get("solution_text_format", ""), {"id": f"kk{i}",
+                                                                                  "gold": kk.parse_row(row)}))
+    return out
+
+
+def generated_candidate(name: str, problems: int, seed: int):
+    """(examples, score(text, example)) for a generator candidate."""
+    from sage_jax.rewards import countdown, kk
+    if name == "countdown_words":
+        return _countdown_words(problems, seed), lambda text, ex: countdown.score(text, ex.meta)
+    return _kk_people(problems, seed), lambda text, ex: kk.score(text, ex.meta["gold"])
+
+
 def measure(config, candidates: list[str], problems: int, n: int, out_dir: str) -> dict[str, Any]:
     import jax
     from sage_jax import evaluation, model, tasks
     from sage_jax.rewards import math as math_reward
     cfg = params = None
     results: dict[str, Any] = {}
+    instruction = config.data.instruction
     for name in candidates:
-        config.data.eval = name
+        config.data.eval = "arith_words" if name in GENERATED else name
         config.data.train = "arith_words"  # only the evals are used; a generated train set loads instantly
+        # a generator candidate's problem text carries its own answer format
+        config.data.instruction = "{problem}" if name in GENERATED else instruction
         task = tasks.build(config)
-        examples = task.evals[name]
-        examples = random.Random(0).sample(examples, min(problems, len(examples)))
+        if name in GENERATED:
+            examples, score = generated_candidate(name, problems, config.seed + 1)
+        else:
+            examples = task.evals[name]
+            examples = random.Random(0).sample(examples, min(problems, len(examples)))
+            score = lambda text, ex, t=task: math_reward.score(text, t.gold(ex))
         if cfg is None:
             cfg, params = model.load_hf(config.model.path)
             cfg = cfg.replace(eos_token_ids=tuple(task.tokenizer.eos_ids), pad_token_id=task.tokenizer.pad_id)
@@ -75,8 +120,7 @@ def measure(config, candidates: list[str], problems: int, n: int, out_dir: str) 
         sampling = dict(max_new_tokens=ev.max_new_tokens, temperature=ev.temperature, top_p=ev.top_p, min_p=ev.min_p)
         generate_fn = evaluation.make_generate_fn(cfg, params, task.tokenizer.decode, sampling, config.seed,
                                                   max_rows=8 * n)
-        reward = lambda text, ex, t=task: math_reward.score(text, t.gold(ex))
-        evaluation.evaluate(task.tokenizer, examples, reward, n=n, ks=[1, n], out_dir=f"{out_dir}/{name}",
+        evaluation.evaluate(task.tokenizer, examples, score, n=n, ks=[1, n], out_dir=f"{out_dir}/{name}",
                             generate_fn=generate_fn, batch_problems=8, template=task.template, run_name=name,
                             progress=False)
         records = _read(f"{out_dir}/{name}/samples.jsonl")
