@@ -3,7 +3,9 @@
 One KV cache of S x (P + C) positions is allocated once. Rows (prompt x sample, prompt-major) wait in a queue; a row
 that starts in a slot copies its prompt's prefilled keys and values into that slot's row of the cache (one
 dynamic_update_slice per layer, never a copy of the whole cache), and when it stops (EOS or its own limit) the slot
-takes the next queued row at the next step. The loop ends when the queue is empty and every slot is idle.
+takes the next queued row at the next step. The loop ends when the queue is empty and every slot is idle. Once the
+queue is empty and the live slots fit a smaller width (stage_widths: S/2, S/4, S/8), they move into the first slots
+of their shard, in the same cache, and the steps after compute only those rows (on CPU a step costs its rows).
 
 A row's cache layout, positions and keys do not depend on its slot or on when it runs: its prompt fills cache
 positions [0, P) (left-padded), its token j - 1 is written at P + j - 1 (each slot has its own write position:
