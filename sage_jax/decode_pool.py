@@ -3,7 +3,9 @@
 One KV cache of S x (P + C) positions is allocated once. Rows (prompt x sample, prompt-major) wait in a queue; a row
 that starts in a slot copies its prompt's prefilled keys and values into that slot's row of the cache (one
 dynamic_update_slice per layer, never a copy of the whole cache), and when it stops (EOS or its own limit) the slot
-takes the next queued row at the next step. The loop ends when the queue is empty and every slot is idle.
+takes the next queued row at the next step. The loop ends when the queue is empty and every slot is idle. Once the
+queue is empty and the live slots fit a smaller width (stage_widths: S/2, S/4, S/8), they move into the first slots
+of their shard, in the same cache, and the steps after compute only those rows (on CPU a step costs its rows).
 
 A row's cache layout, positions and keys do not depend on its slot or on when it runs: its prompt fills cache
 positions [0, P) (left-padded), its token j - 1 is written at P + j - 1 (each slot has its own write position:
@@ -39,6 +41,7 @@ class SamplerPlan:
     mesh: Mesh | None
     unstack_layers: bool
     slots: int  # decode slots S (a multiple of data x fsdp): rows beyond S wait for a slot to free up
+    stages: tuple[int, ...] | None = None  # the pool's widths (None: stage_widths(slots, data x fsdp))
 
 
 def constrain_cache(cache: list) -> list:
@@ -55,7 +58,9 @@ class _Out(NamedTuple):
 
 
 class _Pool(NamedTuple):
-    """Slot s holds row row_S[s] (N: none), which has pos_S[s] tokens so far; last_S is the token fed next."""
+    """Slot s holds row row_S[s] (N: none), which has pos_S[s] tokens so far; last_S is the token fed next. Past the
+    full width (stage_widths) the slot arrays have the stage's W entries, slot s in the cache rows model.cache_rows
+    names."""
     row_S: jax.Array
     pos_S: jax.Array
     last_S: jax.Array
@@ -69,20 +74,39 @@ def row_keys(key: jax.Array, steps_B: jax.Array, rows_B: jax.Array) -> jax.Array
     return jax.vmap(lambda j, r: jax.random.fold_in(jax.random.fold_in(key, j), r))(steps_B, rows_B)
 
 
+def stage_widths(slots: int, dp: int) -> tuple[int, ...]:
+    """The pool's widths, largest first: S, then those of S/2, S/4, S/8 that are whole multiples of dp with at
+    least 2 slots per data-parallel shard (>= 2 dp: with one slot per shard XLA:CPU held 2.3x the cache shard in
+    temporaries, against 1.15x, in test_one_kv_cache_in_memory). Once the queue is empty and the live slots fit the
+    next width (in every shard), they move into its slots and each step computes only those rows: on CPU a step
+    costs about the rows it computes. At most four widths, as each is one more decode loop body to compile."""
+    widths = [slots]
+    for k in (1, 2, 3):
+        width, rest = divmod(slots, 1 << k)
+        if not rest and width >= 2 * dp and width % dp == 0:
+            widths.append(width)
+    return tuple(widths)
+
+
+def _bits(cache: list) -> list:
+    """16-bit floats as uint16 (bitcasts are free): XLA:CPU does a bf16 dynamic_update_slice in float32 and then
+    carries a float32 copy of the whole cache through the decode loop (model._write_cache does the same)."""
+    as_bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype.itemsize == 2 else a
+    return [tuple(map(as_bits, kv)) for kv in cache]
+
+
+def _unbits(moved: list, like: list) -> list:
+    back = lambda a, b: jax.lax.bitcast_convert_type(a, b.dtype) if a.dtype != b.dtype else a
+    return [tuple(map(back, kv, lkv)) for kv, lkv in zip(moved, like)]
+
+
 def _copy_prompts(cache: list, prompt_cache: list, slots_K: jax.Array, prompts_K: jax.Array, count) -> list:
-    """Prompt prompts_K[k]'s prefilled entries into the first P positions of slot slots_K[k], for k < count.
-
-    16-bit floats are moved as uint16 (bitcasts are free): XLA:CPU does a bf16 dynamic_update_slice in float32 and
-    then carries a float32 copy of the whole cache through the decode loop (model._write_cache does the same)."""
-    bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype.itemsize == 2 else a
-
+    """Prompt prompts_K[k]'s prefilled entries into the first P positions of slot slots_K[k], for k < count."""
     def one(k, cache):
         s, p = slots_K[k], prompts_K[k]
         put = lambda c, pc: jax.lax.dynamic_update_slice(c, jax.lax.dynamic_slice_in_dim(pc, p, 1, 0), (s, 0, 0, 0))
-        return [tuple(put(c, bits(pc)) for c, pc in zip(kv, pkv)) for kv, pkv in zip(cache, prompt_cache)]
-    moved = jax.lax.fori_loop(0, count, one, [tuple(map(bits, kv)) for kv in cache])
-    back = lambda a, like: jax.lax.bitcast_convert_type(a, like.dtype) if a.dtype != like.dtype else a
-    return [tuple(map(back, kv, lkv)) for kv, lkv in zip(moved, cache)]
+        return [tuple(put(c, pc) for c, pc in zip(kv, pkv)) for kv, pkv in zip(cache, _bits(prompt_cache))]
+    return _unbits(jax.lax.fori_loop(0, count, one, _bits(cache)), cache)
 
 
 def _refill(pool: _Pool, done_N: jax.Array, out: _Out, prompt_cache: list, G: int) -> _Pool:
@@ -102,6 +126,112 @@ def _refill(pool: _Pool, done_N: jax.Array, out: _Out, prompt_cache: list, G: in
     return pool._replace(row_S=row_S, pos_S=jnp.where(got_S, 1, pool.pos_S),
                          last_S=jnp.where(got_S, first_S, pool.last_S), cache=constrain_cache(cache),
                          next_row=next_row)
+
+
+def _shrink(pool: _Pool, live_W: jax.Array, width: int, groups: int) -> _Pool:
+    """The live slots of a pool of W into the first `width` (live first, in slot order), inside each of `groups`
+    equal slot groups (the data-parallel shards: no row leaves its shard), moved within the one cache: slot j of a
+    group takes its j-th live slot, whose index is >= j, so no slot is overwritten before it has moved."""
+    W, R = live_W.shape[0], pool.cache[0][0].shape[0]
+    m, n = W // groups, width // groups
+    order_gxn = jnp.argsort(~live_W.reshape(groups, m), axis=1, stable=True)[:, :n].astype(jnp.int32)
+    pick = lambda a: jnp.take_along_axis(a.reshape(groups, m), order_gxn, axis=1).reshape(width)
+    take = jax.vmap(lambda c, s: jax.lax.dynamic_index_in_dim(c, s, 0))  # one row of each group
+
+    def move(j, cache):
+        def one(c):
+            c_GxRxKxTxH = c.reshape(groups, R // groups, *c.shape[1:])
+            row = take(c_GxRxKxTxH, order_gxn[:, j])
+            return jax.lax.dynamic_update_slice(c_GxRxKxTxH, row, (0, j, 0, 0, 0)).reshape(c.shape)
+        return [tuple(map(one, kv)) for kv in cache]
+    cache = _unbits(jax.lax.fori_loop(0, n, move, _bits(pool.cache)), pool.cache)
+    return pool._replace(row_S=pick(pool.row_S), pos_S=pick(pool.pos_S), last_S=pick(pool.last_S),
+                         cache=constrain_cache(cache))
+
+
+class _Ctx(NamedTuple):
+    """What every decode step reads besides the pool (static numbers and arrays of the program)."""
+    cfg: ModelConfig
+    params: Params
+    sample: object
+    key: jax.Array
+    mask_BxP: jax.Array
+    prompt_len_B: jax.Array
+    limit_N: jax.Array
+    valid_N: jax.Array
+    pad_id: jax.Array
+    eos_E: jax.Array
+    new_bucket: int
+    groups: int  # data-parallel shards: the pool shrinks inside each
+
+
+def _done(ctx: _Ctx, out: _Out) -> jax.Array:
+    return out.finished_N | (out.lengths_N >= ctx.limit_N) | ~ctx.valid_N
+
+
+def _active(ctx: _Ctx, pool: _Pool, out: _Out) -> jax.Array:
+    N = ctx.limit_N.shape[0]
+    return (pool.row_S < N) & ~_done(ctx, out)[jnp.minimum(pool.row_S, N - 1)]
+
+
+def _record(ctx: _Ctx, out: _Out, row_b, pos_b, active_b, tok_b, logp_b) -> _Out:
+    N = ctx.limit_N.shape[0]
+    tok_b = jnp.where(active_b, tok_b, ctx.pad_id)
+    hit_eos_b = active_b & jnp.any(tok_b[:, None] == ctx.eos_E[None, :], axis=-1)
+    at_b = jnp.where(active_b, row_b, N)  # idle slots write nowhere (N is out of range: dropped)
+    return _Out(out.tokens_NxC.at[at_b, pos_b].set(tok_b, mode="drop"),
+                out.logp_NxC.at[at_b, pos_b].set(logp_b, mode="drop"),
+                out.lengths_N.at[at_b].add(1, mode="drop"),
+                out.finished_N.at[at_b].set(hit_eos_b, mode="drop"))
+
+
+def _step(ctx: _Ctx, pool: _Pool, out: _Out) -> tuple[_Pool, _Out]:
+    """One token for each live slot of the pool (its W slots: the cache rows model.cache_rows names for W)."""
+    N, P, C = ctx.limit_N.shape[0], ctx.mask_BxP.shape[1], ctx.new_bucket
+    W = pool.row_S.shape[0]
+    active_W = _active(ctx, pool, out)
+    prompt_W = jnp.minimum(pool.row_S, N - 1) // (N // ctx.mask_BxP.shape[0])
+    # An idle slot writes at position 0 and reads nothing else, so the attention bound (the furthest filled
+    # position over slots) only follows the live rows.
+    index_W = jnp.where(active_W, P + pool.pos_S - 1, 0)
+    kv_mask_WxT = jnp.concatenate([ctx.mask_BxP[prompt_W], jnp.ones((W, C), jnp.bool_)], axis=1) & active_W[:, None]
+    positions_Wx1 = (ctx.prompt_len_B[prompt_W] + pool.pos_S - 1)[:, None]
+    h_Wx1xD, cache = model_lib.forward_with_cache(ctx.cfg, ctx.params, pool.last_S[:, None], positions_Wx1,
+                                                  pool.cache, index_W, kv_mask_WxT, return_hidden=True,
+                                                  cache_groups=ctx.groups)
+    logits_WxV = model_lib.logits_from_hidden(ctx.cfg, ctx.params, h_Wx1xD)[:, 0]
+    tok_W, logp_W = ctx.sample(logits_WxV, row_keys(ctx.key, pool.pos_S, jnp.minimum(pool.row_S, N - 1)))
+    out = _record(ctx, out, pool.row_S, pool.pos_S, active_W, tok_W, logp_W)
+    return pool._replace(pos_S=pool.pos_S + active_W, last_S=tok_W, cache=constrain_cache(cache),
+                         steps=pool.steps + 1), out
+
+
+def _decode(ctx: _Ctx, pool: _Pool, out: _Out, prompt_cache: list, widths: tuple[int, ...]) -> tuple[_Pool, _Out]:
+    """The decode loop, one while_loop per width: at the full width idle slots refill from the queue; once the
+    queue is empty and every shard's live slots fit the next width, they move there (_shrink) and the loop goes on
+    computing only those."""
+    N, G = ctx.limit_N.shape[0], ctx.limit_N.shape[0] // ctx.mask_BxP.shape[0]
+    rows_N = jnp.arange(N, dtype=jnp.int32)
+    for level, width in enumerate(widths):
+        if level:
+            pool = _shrink(pool, _active(ctx, pool, out), width, ctx.groups)
+        smaller = widths[level + 1] if level + 1 < len(widths) else 0
+
+        def cond(carry, smaller=smaller):
+            pool, out = carry
+            live_W = _active(ctx, pool, out)
+            go = jnp.any(live_W)
+            if smaller:
+                queued = jnp.any((rows_N >= pool.next_row) & ~_done(ctx, out))
+                fits = jnp.max(jnp.sum(live_W.reshape(ctx.groups, -1), axis=1)) <= smaller // ctx.groups
+                go &= queued | ~fits
+            return go
+
+        def body(carry, refill=level == 0):
+            pool, out = _step(ctx, *carry)
+            return (_refill(pool, _done(ctx, out), out, prompt_cache, G) if refill else pool), out
+        pool, out = jax.lax.while_loop(cond, body, (pool, out))
+    return pool, out
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("tokens_NxC", "logp_NxC"))
@@ -125,50 +255,22 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
                                                          prompt_cache, 0, mask_BxP, return_hidden=True)
     prompt_cache = constrain_cache(prompt_cache)
     logits_NxV = jnp.repeat(model_lib.logits_from_hidden(cfg, params, h_BxPxD[:, -1:])[:, 0], G, axis=0)
-    prompt_len_B = jnp.sum(mask_BxP, axis=-1, dtype=jnp.int32)
     rows_N = jnp.arange(N, dtype=jnp.int32)
-    valid_N = rows_N < num_valid
-    done = lambda out: out.finished_N | (out.lengths_N >= limit_N) | ~valid_N
-
-    def record(out: _Out, row_b, pos_b, active_b, tok_b, logp_b) -> _Out:
-        tok_b = jnp.where(active_b, tok_b, pad_id)
-        hit_eos_b = active_b & jnp.any(tok_b[:, None] == eos_E[None, :], axis=-1)
-        at_b = jnp.where(active_b, row_b, N)  # idle slots write nowhere (N is out of range: dropped)
-        return _Out(out.tokens_NxC.at[at_b, pos_b].set(tok_b, mode="drop"),
-                    out.logp_NxC.at[at_b, pos_b].set(logp_b, mode="drop"),
-                    out.lengths_N.at[at_b].add(1, mode="drop"),
-                    out.finished_N.at[at_b].set(hit_eos_b, mode="drop"))
+    dp = plan.mesh.shape["data"] * plan.mesh.shape["fsdp"] if plan.mesh is not None else 1
+    ctx = _Ctx(cfg, params, sample, key, mask_BxP, jnp.sum(mask_BxP, axis=-1, dtype=jnp.int32), limit_N,
+               rows_N < num_valid, pad_id, eos_E, C, dp)
 
     # Every row's first token comes from its prompt's prefill logits (position 0).
     zeros_N = jnp.zeros((N,), jnp.int32)
     tok_N, logp_N = sample(logits_NxV, row_keys(key, zeros_N, rows_N))
-    out = record(_Out(tokens_NxC, logp_NxC, zeros_N, jnp.zeros((N,), jnp.bool_)), rows_N, zeros_N, valid_N, tok_N,
-                 logp_N)
+    out = _record(ctx, _Out(tokens_NxC, logp_NxC, zeros_N, jnp.zeros((N,), jnp.bool_)), rows_N, zeros_N,
+                  ctx.valid_N, tok_N, logp_N)
     cache = constrain_cache(model_lib.init_cache(cfg, S, P + C))
     empty_S = jnp.full((S,), N, jnp.int32)
     pool = _Pool(empty_S, jnp.ones((S,), jnp.int32), jnp.zeros((S,), jnp.int32), cache, jnp.int32(0), jnp.int32(1))
-    pool = _refill(pool, done(out), out, prompt_cache, G)
-    active = lambda pool, out: (pool.row_S < N) & ~done(out)[jnp.minimum(pool.row_S, N - 1)]
-
-    def body(carry):
-        pool, out = carry
-        active_S = active(pool, out)
-        prompt_S = jnp.minimum(pool.row_S, N - 1) // G
-        # An idle slot writes at position 0 and reads nothing else, so the attention bound (the furthest filled
-        # position over slots) only follows the live rows.
-        index_S = jnp.where(active_S, P + pool.pos_S - 1, 0)
-        kv_mask_SxT = jnp.concatenate([mask_BxP[prompt_S], jnp.ones((S, C), jnp.bool_)], axis=1) & active_S[:, None]
-        positions_Sx1 = (prompt_len_B[prompt_S] + pool.pos_S - 1)[:, None]
-        h_Sx1xD, cache = model_lib.forward_with_cache(cfg, params, pool.last_S[:, None], positions_Sx1, pool.cache,
-                                                      index_S, kv_mask_SxT, return_hidden=True)
-        logits_SxV = model_lib.logits_from_hidden(cfg, params, h_Sx1xD)[:, 0]
-        tok_S, logp_S = sample(logits_SxV, row_keys(key, pool.pos_S, jnp.minimum(pool.row_S, N - 1)))
-        out = record(out, pool.row_S, pool.pos_S, active_S, tok_S, logp_S)
-        pool = pool._replace(pos_S=pool.pos_S + active_S, last_S=tok_S, cache=constrain_cache(cache),
-                             steps=pool.steps + 1)
-        return _refill(pool, done(out), out, prompt_cache, G), out
-
-    pool, out = jax.lax.while_loop(lambda carry: jnp.any(active(*carry)), body, (pool, out))
+    pool = _refill(pool, _done(ctx, out), out, prompt_cache, G)
+    widths = plan.stages if plan.stages is not None else stage_widths(S, dp)
+    pool, out = _decode(ctx, pool, out, prompt_cache, widths)
     return (out.tokens_NxC, out.logp_NxC, out.lengths_N, out.finished_N, jnp.repeat(prompt_BxP, G, axis=0),
             jnp.repeat(mask_BxP, G, axis=0), pool.steps)
 

@@ -37,17 +37,31 @@ def rope_frequencies(cfg: ModelConfig):
 DECODE_BLOCK = 64  # cache slots per step of the blocked decode attention
 
 
-def _cached_attention(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, allowed_BxTxS) -> jax.Array:
-    """Attention over a [B,K,S,H] cache: (b, k) lead both operands, so XLA:CPU runs plain batched matmuls instead
-    of transposing the whole cache every decode step."""
+def cache_rows(c_RxKxSxH, rows: int, groups: int = 1, start=0, length: int | None = None) -> jax.Array:
+    """The cache rows a batch of `rows` rows uses, cache slots [start, start + length): all R rows when rows == R,
+    else the first rows / groups of each of `groups` equal row groups (the sampler's pool shrinks inside each
+    data-parallel shard, so the groups are the shards and no row crosses one). Only that part is read."""
+    R, K, S, H = c_RxKxSxH.shape
+    length = S if length is None else length
+    if rows == R:
+        return c_RxKxSxH if length == S else jax.lax.dynamic_slice_in_dim(c_RxKxSxH, start, length, axis=2)
+    grouped = c_RxKxSxH.reshape(groups, R // groups, K, S, H)
+    part = jax.lax.dynamic_slice(grouped, (0, 0, 0, start, 0), (groups, rows // groups, K, length, H))
+    return part.reshape(rows, K, length, H)
+
+
+def _cached_attention(q_BxTxNxH, k_RxKxSxH, v_RxKxSxH, allowed_BxTxS, groups: int = 1) -> jax.Array:
+    """Attention over a [R,K,S,H] cache (R >= B rows: see cache_rows): (b, k) lead both operands, so XLA:CPU runs
+    plain batched matmuls instead of transposing the whole cache every decode step."""
     B, T, N, H = q_BxTxNxH.shape
-    K, S = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
+    K, S = k_RxKxSxH.shape[1], k_RxKxSxH.shape[2]
     q = q_BxTxNxH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).reshape(B, K, (N // K) * T, H)
     allowed = jnp.tile(allowed_BxTxS, (1, N // K, 1))[:, None]  # rows ordered (g, t) like q
     if T == 1 and S > DECODE_BLOCK:
         end = S - jnp.argmax(jnp.any(allowed_BxTxS, axis=(0, 1))[::-1])  # one past the last slot any row may read
-        out = _blocked_decode_attention(q, k_BxKxSxH, v_BxKxSxH, allowed, end)
+        out = _blocked_decode_attention(q, k_RxKxSxH, v_RxKxSxH, allowed, end, groups)
     else:
+        k_BxKxSxH, v_BxKxSxH = (cache_rows(c, B, groups) for c in (k_RxKxSxH, v_RxKxSxH))
         if T == 1:  # decoding: a multiply-sum reads the cache once; a matmul with N/K-row operands first repacks it
             scores = _decode_scores(q, k_BxKxSxH)
         else:
@@ -63,18 +77,19 @@ def _decode_scores(q_BxKxGxH, k_BxKxSxH) -> jax.Array:
     return jnp.sum(q_BxKxGxH[:, :, :, None].astype(f32) * k_BxKxSxH[:, :, None].astype(f32), axis=-1)
 
 
-def _blocked_decode_attention(q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, allowed_Bx1xGxS, end) -> jax.Array:
+def _blocked_decode_attention(q_BxKxGxH, k_RxKxSxH, v_RxKxSxH, allowed_Bx1xGxS, end, groups: int = 1) -> jax.Array:
     """One query per row over the cache slots [0, end), DECODE_BLOCK at a time with a running softmax: a decode step
-    reads the part of the cache written so far, not all of it."""
-    S, H = k_BxKxSxH.shape[2:]
+    reads the part of the cache written so far (of its own rows: cache_rows), not all of it."""
+    S, H = k_RxKxSxH.shape[2:]
+    B = q_BxKxGxH.shape[0]
     blk = DECODE_BLOCK
     f32 = jnp.float32
 
     def block(j, carry):
         max_BxKxG, sum_BxKxG, acc_BxKxGxH = carry
         start = jnp.minimum(j * blk, S - blk)  # the last block is shifted back to fit; its re-read slots are masked
-        take = lambda x, axis=2: jax.lax.dynamic_slice_in_dim(x, start, blk, axis=axis)
-        ok = take(allowed_Bx1xGxS, 3) & (start + jnp.arange(blk) >= j * blk)
+        take = lambda c: cache_rows(c, B, groups, start, blk)
+        ok = jax.lax.dynamic_slice_in_dim(allowed_Bx1xGxS, start, blk, axis=3) & (start + jnp.arange(blk) >= j * blk)
         k_blk, v_blk = (jax.lax.bitcast_convert_type(take(c), dtype) if c.dtype != dtype else take(c)
                         for c in (k_bits, v_bits))
         scores = jnp.where(ok, _decode_scores(q_BxKxGxH, k_blk) / math.sqrt(H), -jnp.inf)
@@ -86,13 +101,13 @@ def _blocked_decode_attention(q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, allowed_Bx1xGxS, 
 
     # Blocks sliced from the cache's bits: XLA:CPU computes 16-bit float products in float32 and would otherwise
     # convert the whole cache to float32 once, outside the loop (two float32 copies of every layer's cache held).
-    dtype = v_BxKxSxH.dtype
+    dtype = v_RxKxSxH.dtype
     bits = lambda c: jax.lax.bitcast_convert_type(c, jnp.uint16) if dtype.itemsize == 2 else c
-    k_bits, v_bits = bits(k_BxKxSxH), bits(v_BxKxSxH)
-    B, K, G, _ = q_BxKxGxH.shape
+    k_bits, v_bits = bits(k_RxKxSxH), bits(v_RxKxSxH)
+    _, K, G, _ = q_BxKxGxH.shape
     init = (jnp.full((B, K, G), jnp.finfo(f32).min, f32), jnp.zeros((B, K, G), f32), jnp.zeros((B, K, G, H), f32))
     _, total, acc = jax.lax.fori_loop(0, -(-end // blk), block, init)
-    return (acc / total[..., None]).astype(v_BxKxSxH.dtype)
+    return (acc / total[..., None]).astype(dtype)
 
 
 def _einsum_parts(equation: str) -> tuple[str, str, str, str, str, str]:
@@ -136,24 +151,34 @@ def _project(lp: Params, name: str, equation: str, x: jax.Array, cdt) -> jax.Arr
     return y + matmul(f"{lead}r,r{outer}->{y_letters}", down, adapter["b"].astype(cdt))
 
 
-def _write_cache(c_BxKxSxH, x_BxTxKxH, index) -> jax.Array:
+def _write_cache(c_RxKxSxH, x_BxTxKxH, index, groups: int = 1) -> jax.Array:
     """x written at cache positions [index, index + T): one index for all rows, or one per row ([B]: the decode
-    slots of sampler's pool each have their own), a scatter of each row's T entries."""
-    x_BxKxTxH = x_BxTxKxH.swapaxes(1, 2).astype(c_BxKxSxH.dtype)
+    slots of sampler's pool each have their own), a scatter of each row's T entries, into the rows cache_rows
+    names when the cache has more rows than x (R > B)."""
+    x_BxKxTxH = x_BxTxKxH.swapaxes(1, 2).astype(c_RxKxSxH.dtype)
     if jnp.ndim(index) == 0:
-        return jax.lax.dynamic_update_slice_in_dim(c_BxKxSxH, x_BxKxTxH, index, 2)
+        return jax.lax.dynamic_update_slice_in_dim(c_RxKxSxH, x_BxKxTxH, index, 2)
     put = lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, 1)
-    if c_BxKxSxH.dtype.itemsize != 2:
-        return jax.vmap(put)(c_BxKxSxH, x_BxKxTxH, index)
+    R, B = c_RxKxSxH.shape[0], x_BxKxTxH.shape[0]
     # A 16-bit float scatter is done in float32 by XLA:CPU, which then carries a float32 copy of the whole cache
     # through the decode loop (2x its bytes, plus the converts); the same bits scattered as uint16 are not.
-    bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)
-    out = jax.vmap(put)(bits(c_BxKxSxH), bits(x_BxKxTxH), index)
-    return jax.lax.bitcast_convert_type(out, c_BxKxSxH.dtype)
+    two = c_RxKxSxH.dtype.itemsize == 2
+    bits = (lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)) if two else (lambda a: a)
+    if R == B:
+        out = jax.vmap(put)(bits(c_RxKxSxH), bits(x_BxKxTxH), index)
+    else:  # row b of group d (of the first B / groups each) is cache row d * R / groups + b % (B / groups)
+        assert x_BxKxTxH.shape[2] == 1, "a batch on part of the cache rows writes one position per row"
+
+        def group(c_rxKxSxH, x_bxKxTxH, index_b):  # a scatter of b entries in place: no slice of the rows
+            return c_rxKxSxH.at[jnp.arange(index_b.shape[0]), :, index_b].set(x_bxKxTxH[:, :, 0])
+        split = lambda a, n: a.reshape(groups, n // groups, *a.shape[1:])
+        out = jax.vmap(group)(split(bits(c_RxKxSxH), R), split(bits(x_BxKxTxH), B), split(index, B))
+        out = out.reshape(c_RxKxSxH.shape)
+    return jax.lax.bitcast_convert_type(out, c_RxKxSxH.dtype) if two else out
 
 
 def _block(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, allowed_BxTxS, kv_cache=None, cache_index=None,
-           segment_ids_BxT=None):
+           segment_ids_BxT=None, cache_groups: int = 1):
     """One decoder layer. With kv_cache=(k, v) [B,K,S,H], writes this step's keys at cache_index. Without a cache,
     attention is within segment_ids (attention.attend, cfg.attention) when given, else under allowed_BxTxS."""
     cdt = jnp.dtype(cfg.compute_dtype)
@@ -170,8 +195,8 @@ def _block(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, allowed_BxTxS, 
     inv_freq, scale = rope_frequencies(cfg)
     q, k = rope_lib.apply(q, positions_BxT, inv_freq, scale), rope_lib.apply(k, positions_BxT, inv_freq, scale)
     if kv_cache is not None:
-        kv_cache = (_write_cache(kv_cache[0], k, cache_index), _write_cache(kv_cache[1], v, cache_index))
-        attn = _cached_attention(q, kv_cache[0].astype(cdt), kv_cache[1].astype(cdt), allowed_BxTxS)
+        kv_cache = tuple(_write_cache(c, x, cache_index, cache_groups) for c, x in zip(kv_cache, (k, v)))
+        attn = _cached_attention(q, kv_cache[0].astype(cdt), kv_cache[1].astype(cdt), allowed_BxTxS, cache_groups)
     elif segment_ids_BxT is not None:
         attn = attention_lib.attend(cfg.attention, q, k, v, segment_ids_BxT, cfg.attention_block)
     else:
@@ -328,13 +353,15 @@ def unstack_layers(cfg: ModelConfig, params: Params) -> Params:
 
 
 def forward_with_cache(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array,
-                       cache: list, cache_index: jax.Array, kv_mask_BxS: jax.Array, return_hidden: bool = False):
+                       cache: list, cache_index: jax.Array, kv_mask_BxS: jax.Array, return_hidden: bool = False,
+                       cache_groups: int = 1):
     """Run T new tokens written at cache slots [cache_index, cache_index + T).
 
     params["layers"] may be stacked or a list of per-layer dicts (unstack_layers). cache_index is one int for all
     rows or one per row ([B]). kv_mask_BxS marks which cache slots hold real tokens (after this step's tokens are
     added); query t of row b may attend to slot s when kv_mask[b, s] and s <= cache_index[b] + t, and always to its
-    own slot. Returns (logits [B,T,V] fp32 or hidden, new cache).
+    own slot. A cache of more rows than B (decoding, T = 1) is used in the rows cache_rows(c, B, cache_groups)
+    names; the others are kept as they are. Returns (logits [B,T,V] fp32 or hidden, new cache).
     """
     B, T = tokens_BxT.shape
     S = cache[0][0].shape[2]
@@ -345,7 +372,8 @@ def forward_with_cache(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, 
     x = _embed(cfg, params, tokens_BxT)
     new_cache = []
     for i, lp in enumerate(_layer_list(cfg, params["layers"])):
-        x, kv = _block(cfg, lp, x, positions_BxT, allowed, kv_cache=cache[i], cache_index=cache_index)
+        x, kv = _block(cfg, lp, x, positions_BxT, allowed, kv_cache=cache[i], cache_index=cache_index,
+                       cache_groups=cache_groups)
         new_cache.append(kv)
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if return_hidden:

@@ -296,6 +296,35 @@ def test_slot_pool_equals_static_batch_with_eos_and_sampling(params, kw):
     assert (static["lengths"][~stopped] == limits[~stopped]).all()
 
 
+def test_stage_widths():
+    from sage_jax.decode_pool import stage_widths
+    assert stage_widths(64, 1) == (64, 32, 16, 8)  # at most four widths
+    assert stage_widths(16, 4) == (16, 8)  # multiples of data x fsdp, at least 2 slots per shard
+    assert stage_widths(8, 1) == (8, 4, 2)
+    assert stage_widths(20, 1) == (20, 10, 5) and stage_widths(12, 4) == (12,) and stage_widths(3, 1) == (3,)
+    assert stage_widths(1, 1) == (1,)
+
+
+def test_shrink_stages_equal_one_static_batch(params, monkeypatch):
+    """The pool shrinks to 8, 4, 2 slots (16 rows, one device) and to 8 (4-way data parallel, 8 devices) once its
+    queue is empty; the tokens equal a static batch that never shrinks, on one device and sharded."""
+    from sage_jax import decode_pool
+    real = decode_pool.stage_widths
+    monkeypatch.setattr(decode_pool, "stage_widths", lambda s, dp: (s,))
+    flat, _, limits = _longtail_case(params, slots=(), temperature=0.0, eos_ids=())
+    monkeypatch.setattr(decode_pool, "stage_widths", real)
+    assert real(16, 1) == (16, 8, 4, 2)
+    staged, pooled, _ = _longtail_case(params, slots=(3, 8), temperature=0.0, eos_ids=())
+    for got in (staged, *pooled.values()):
+        _assert_same_outputs(got, flat, steps=got is staged)
+    if jax.device_count() >= 8:
+        mesh = sharding.make_mesh((2, 2, 2))
+        assert real(16, 4) == (16, 8)
+        static, sharded, _ = _longtail_case(params, slots=(8,), temperature=0.0, eos_ids=(), mesh=mesh)
+        _assert_same_outputs(static, flat)
+        _assert_same_outputs(sharded[8], flat, steps=False)
+
+
 def test_slot_pool_filler_rows_and_first_token_stops(params):
     """3 prompts x 3 samples with rows stopping at their first token (limit 1): the queue skips them; on a 4-way
     data-parallel mesh the 9 rows are padded with filler rows that never take a slot."""
