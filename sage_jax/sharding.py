@@ -71,17 +71,22 @@ def make_meshes(shape: Sequence[int], rollout_devices: int = 0,
                 devices: Sequence[jax.Device] | None = None) -> tuple[Mesh, Mesh | None]:
     """(training mesh, rollout mesh or None). rollout_devices = n > 0 splits the devices: the sampler gets the last
     n, as (data = n / tensor, fsdp = 1, tensor = the training mesh's tensor size when it divides n: rows over data,
-    weights whole on each data shard), and `shape` is the training mesh's over the rest. Across hosts each sub-mesh
-    spans whole hosts."""
+    weights whole on each data shard), and `shape` is the training mesh's over the rest. One process only (see the
+    check below)."""
     devices = list(jax.devices() if devices is None else devices)
     n = int(rollout_devices)
     if not n:
         return make_mesh(shape, devices), None
-    per_host = len(devices) // jax.process_count()
-    if not 0 < n < len(devices) or (jax.process_count() > 1 and n % per_host):
+    if not 0 < n < len(devices):
         raise ValueError(f"mesh.rollout_devices={n}: the sampler's sub-mesh must leave devices for training (there "
-                         f"are {len(devices)}; 0 = sample on the training devices) and, across hosts, be a multiple "
-                         f"of the {per_host} devices per host")
+                         f"are {len(devices)}; 0 = sample on the training devices)")
+    if jax.process_count() > 1:
+        # A sub-mesh of whole hosts leaves the other hosts with no device in it, and each process's host work (the
+        # prompts put on the sampler's mesh, the sampled rows fetched, the weight copy between the meshes) needs
+        # addressable shards there: measured with 2 CPU processes, jax 0.10.2 (tests/test_multihost.py)
+        raise ValueError(f"mesh.rollout_devices={n} across {jax.process_count()} processes: the split placement "
+                         "runs in one process only; use mesh.rollout_devices=0 (train.off_policy_steps still "
+                         "overlaps generation's host work with training)")
     train = make_mesh(shape, devices[:len(devices) - n])
     tensor = train.shape["tensor"] if n % train.shape["tensor"] == 0 else 1
     return train, make_mesh((n // tensor, 1, tensor), devices[len(devices) - n:])
