@@ -31,10 +31,10 @@ class NoTraceback(pylogging.Filter):
         return True
 
 
-def _writer_threads(before: set[threading.Thread]) -> list[threading.Thread]:
-    """orbax's threads started by this save (not an earlier async save's) that still run."""
-    return [t for t in threading.enumerate()
-            if t not in before and t.is_alive() and type(t).__module__.startswith("orbax.")]
+def _writer_threads() -> list[threading.Thread]:
+    """orbax's writer threads still running (per operation: a save waits for the previous one before it starts, so
+    after a failed save or wait these are the failed operation's, an async save's included)."""
+    return [t for t in threading.enumerate() if t.is_alive() and type(t).__module__.startswith("orbax.")]
 
 
 def _shut_down(threads: list[threading.Thread]) -> None:
@@ -66,7 +66,6 @@ def quiet_failures():
     failure itself). After a failure the save's other writer threads are cancelled and joined before the error goes
     on, and the hooks stay quiet: tensorstore may still call back into the closed loops of the failed writes."""
     hooks, quiet = (threading.excepthook, sys.excepthook, sys.unraisablehook), NoTraceback()
-    before = set(threading.enumerate())
     threading.excepthook = _report_thread
     sys.unraisablehook = _report_callback
     # a native callback may also report a Python exception through sys.excepthook (PyErr_Print)
@@ -77,7 +76,7 @@ def quiet_failures():
     try:
         yield
     except BaseException:
-        _shut_down(_writer_threads(before))
+        _shut_down(_writer_threads())
         for lg in loggers:
             lg.removeFilter(quiet)
         raise
