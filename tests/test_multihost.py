@@ -116,6 +116,8 @@ def test_sigterm_to_one_process_stops_both_after_one_shared_checkpoint_and_both_
     assert steps[0] == steps[1] >= 1, steps
     step = steps[0]
     assert sorted(int(s) for s in os.listdir(workdir / "rl" / "checkpoints")) == [step]
+    state = workdir / "rl" / "checkpoints" / str(step) / "state"
+    assert (state / "ocdbt.process_0").is_dir() and (state / "ocdbt.process_1").is_dir()  # each wrote its shards
     assert not (workdir / "run.lock").exists()
     _run_pair(workdir, f"--config.train.steps={step + 1}", "--config.train.ckpt_every=100000")
     assert f"at RL step {step}" in (workdir / "log.txt").read_text()
