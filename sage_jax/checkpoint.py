@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from sage_jax import metrics_log as slog
-from sage_jax.save_errors import disk_full as _disk_full, quiet_failures as _quiet_failures
+from sage_jax.save_errors import quiet_failures as _quiet_failures, write_failure as _write_failure
 
 log = pylogging.getLogger(__name__)
 
@@ -149,22 +149,23 @@ class Checkpointer:
             try:
                 return bool(self._manager.save(int(step), args=args, force=force))
             except Exception as e:
-                self._raise_disk_full(e, step)
+                self._raise_disk_full(e, int(step))
                 raise
 
-    def _raise_disk_full(self, e: BaseException, step: int) -> None:
-        if _disk_full(e):
-            done = [s for s in self.all_steps() if s != int(step)]
-            raise CheckpointError(f"cannot write checkpoint step {step} in {self.directory}: no space left on device; "
-                                  f"free space there or rerun with a --workdir on a disk with room (the newest "
-                                  f"complete checkpoint is step {done[-1] if done else 'none'})") from None
+    def _raise_disk_full(self, e: BaseException, step: int | None) -> None:
+        cause = _write_failure(e)
+        if cause:
+            done = [s for s in self.all_steps() if s != step]
+            what = "the checkpoint in flight" if step is None else f"checkpoint step {step}"
+            raise CheckpointError(f"cannot write {what} in {self.directory}: {cause} (the newest complete "
+                                  f"checkpoint is step {done[-1] if done else 'none'})") from None
 
     def wait(self) -> None:
         with deferred_interrupt(), _quiet_failures():
             try:
                 self._manager.wait_until_finished()
             except Exception as e:
-                self._raise_disk_full(e, -1)
+                self._raise_disk_full(e, None)
                 raise
 
     def close(self) -> None:

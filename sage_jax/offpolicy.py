@@ -71,14 +71,14 @@ def placement(ctx, rollout_mesh, rules, off_policy: bool) -> Callable[[Any], tup
     from sage_jax import model as model_lib
     base_sh = model_lib.param_shardings(ctx.cfg, rollout_mesh, rules)
     lora_sh = None if ctx.lora_cfg is None else lora.shardings(ctx.cfg, ctx.lora_cfg, rollout_mesh, rules)
-    base = None if ctx.lora_cfg is None else jax.device_put(ctx.base, base_sh)
+    base = None if ctx.lora_cfg is None else sharding.copy_to(ctx.base, base_sh)
 
     def to_rollout_mesh(params):
         t0 = time.perf_counter()
         if ctx.lora_cfg is None:
-            placed = jax.device_put(params, base_sh)
+            placed = sharding.copy_to(params, base_sh)
         else:  # params = base with the (scaled) adapters on: move the adapters, keep the sub-mesh's base
-            adapters = jax.device_put(params["layers"]["lora"], lora_sh)
+            adapters = sharding.copy_to(params["layers"]["lora"], lora_sh)
             placed = {**base, "layers": {**base["layers"], "lora": adapters}}
         placed = jax.block_until_ready(placed)
         return placed, {"time/weight_sync": time.perf_counter() - t0}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 import os
 from typing import Any, Mapping, Sequence
@@ -71,20 +72,57 @@ def make_meshes(shape: Sequence[int], rollout_devices: int = 0,
                 devices: Sequence[jax.Device] | None = None) -> tuple[Mesh, Mesh | None]:
     """(training mesh, rollout mesh or None). rollout_devices = n > 0 splits the devices: the sampler gets the last
     n, as (data = n / tensor, fsdp = 1, tensor = the training mesh's tensor size when it divides n: rows over data,
-    weights whole on each data shard), and `shape` is the training mesh's over the rest. Across hosts each sub-mesh
-    spans whole hosts."""
+    weights whole on each data shard), and `shape` is the training mesh's over the rest.
+
+    Across P processes each sub-mesh takes devices of every process (the sampler the last n / P of each, host by
+    host, so a tensor group stays in one host when n / P is a multiple of it): JAX's multi-controller runtime needs
+    every process to address its share of each mesh. With a sampler mesh of whole hosts (jax 0.10.2, 2 CPU
+    processes) the weight copy failed ("device_put's second argument must be a Device or a Sharding which
+    represents addressable devices" on the process without sampler devices, "does not support cross-host device
+    transfers" on the other), and so did the prompts' device_put and the rows' allgather there."""
     devices = list(jax.devices() if devices is None else devices)
     n = int(rollout_devices)
     if not n:
         return make_mesh(shape, devices), None
-    per_host = len(devices) // jax.process_count()
-    if not 0 < n < len(devices) or (jax.process_count() > 1 and n % per_host):
+    if not 0 < n < len(devices):
         raise ValueError(f"mesh.rollout_devices={n}: the sampler's sub-mesh must leave devices for training (there "
-                         f"are {len(devices)}; 0 = sample on the training devices) and, across hosts, be a multiple "
-                         f"of the {per_host} devices per host")
-    train = make_mesh(shape, devices[:len(devices) - n])
+                         f"are {len(devices)}; 0 = sample on the training devices)")
+    processes = sorted({d.process_index for d in devices})
+    if len(processes) == 1:
+        train_devices, rollout = devices[:len(devices) - n], devices[len(devices) - n:]
+    else:
+        per_host = len(devices) // len(processes)
+        if n % len(processes) or n // len(processes) >= per_host:
+            raise ValueError(f"mesh.rollout_devices={n} across {len(processes)} processes: each process gives the "
+                             f"sampler n / {len(processes)} of its {per_host} devices and keeps at least one for "
+                             f"training, so n must be a multiple of {len(processes)} below {len(devices)}")
+        own = [[d for d in devices if d.process_index == p] for p in processes]
+        cut = per_host - n // len(processes)
+        train_devices, rollout = [d for o in own for d in o[:cut]], [d for o in own for d in o[cut:]]
+    train = make_mesh(shape, train_devices)
     tensor = train.shape["tensor"] if n % train.shape["tensor"] == 0 else 1
-    return train, make_mesh((n // tensor, 1, tensor), devices[len(devices) - n:])
+    return train, make_mesh((n // tensor, 1, tensor), rollout)
+
+
+@functools.lru_cache(maxsize=None)
+def _replicator(mesh: Mesh):
+    return jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, P()))
+
+
+def copy_to(tree: Any, shardings: Any) -> Any:
+    """jax.device_put(tree, shardings) between two meshes, also across processes, where JAX refuses a reshard
+    between different device sets: each leaf is first replicated on its own mesh (one all-gather), then every
+    process copies the slices its target devices need from its local replica."""
+    if jax.process_count() == 1:
+        return jax.device_put(tree, shardings)
+
+    def one(x, target):
+        replicated = _replicator(x.sharding.mesh)(x)
+        full = replicated.addressable_shards[0].data
+        pieces = [jax.device_put(full[index], device)
+                  for device, index in target.addressable_devices_indices_map(x.shape).items()]
+        return jax.make_array_from_single_device_arrays(x.shape, target, pieces)
+    return jax.tree.map(one, tree, shardings)
 
 
 def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, Any] | None = None) -> P:

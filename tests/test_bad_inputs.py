@@ -153,6 +153,8 @@ def test_bad_input_is_one_clear_line(tmp_path, module_and_args, names, prepare, 
 
 
 def test_ctrl_c_exits_130_with_a_resume_hint(tmp_path):
+    """Ctrl-C in a terminal sends SIGINT to the whole process group, the reward workers included: they ignore it
+    (no KeyboardInterrupt tracebacks, no lost rewards) while the trainer finishes its step, saves and stops."""
     workdir = tmp_path / "wd"
     # python -m sage_jax.train, with faulthandler dumping every thread's stack on SIGUSR1 (used if it hangs)
     launch = ("import faulthandler, runpy, signal; faulthandler.register(signal.SIGUSR1, all_threads=True); "
@@ -162,12 +164,12 @@ def test_ctrl_c_exits_130_with_a_resume_hint(tmp_path):
     # a shell's background job inherits SIGINT ignored, and Python then never installs its Ctrl-C handler
     default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=default_sigint)
+                            preexec_fn=default_sigint, process_group=0)  # its own group, as a terminal's job
     deadline = time.time() + 300
     while not (workdir / "rl" / "checkpoints" / "1").exists():  # interrupt mid-training, threads running
         assert proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C: the trainer and its reward workers
     try:
         _, err = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:  # show where it hangs: every thread's stack, then stop it
@@ -178,7 +180,14 @@ def test_ctrl_c_exits_130_with_a_resume_hint(tmp_path):
         pytest.fail("the run did not exit within 120 s of its SIGINT; its threads' stacks:\n" + err[-8000:])
     assert proc.returncode == 130, err[-3000:]
     # inside the step loop a Ctrl-C stops at the step boundary, after a checkpoint of the last completed step
-    assert "stopped by SIGINT after RL step " in err and "resume with: python -m" in err and "Traceback" not in err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    stops = [line for line in err.splitlines() if line.startswith("stopped by SIGINT after RL step ")]
+    assert len(stops) == 1 and "resume with: python -m" in stops[0], err[-3000:]
+    assert stops[0] == err.strip().splitlines()[-1], err[-3000:]  # nothing from the workers after the stop line
+    step = int(stops[0].split("after RL step ")[1].split(":")[0])
+    assert (workdir / "rl" / "checkpoints" / str(step)).is_dir()
+    rewards = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert all(r.get("rl/reward_errors", 0) == 0 for r in rewards), rewards  # no worker died under the step
 
 
 def _start(cmd, workdir: Path):
@@ -290,3 +299,58 @@ def test_a_full_disk_is_one_error_line(tmp_path, monkeypatch):
         ck.save(2, {"w": jnp.zeros(2)})
     monkeypatch.undo()
     ck.close()
+
+
+# A save of many arrays through the real orbax / tensorstore writer threads, in a process whose writes fail: printed
+# through cli.main_guard as the entry points do, with the trainer's logging set up.
+_FAILING_SAVE = """
+import logging, resource, sys
+import jax
+from sage_jax import checkpoint, cli, metrics_log
+
+def main():
+    workdir, limit = sys.argv[1], int(sys.argv[2])
+    metrics_log.setup_python_logging(workdir, logging.INFO)
+    ck = checkpoint.Checkpointer(workdir + "/rl")
+    ck.save(1, {"w": jax.numpy.zeros(4)})
+    state = {f"w{i}": jax.random.normal(jax.random.key(i), (64, 1024)) for i in range(64)}
+    if limit:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+    ck.save(2, state)
+    ck.wait()
+
+cli.main_guard(main)
+"""
+
+
+def _assert_only_the_error_line(r, cause: str):
+    assert r.returncode == 2, r.stderr[-3000:]
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr[-5000:]  # no traceback, no "Event loop is closed", no orbax ERROR lines
+    assert lines[0].startswith("error: cannot write checkpoint step 2 in ") and cause in lines[0], lines[0]
+    assert "the newest complete checkpoint is step 1" in lines[0], lines[0]
+
+
+def test_a_write_over_the_file_size_limit_prints_only_the_error_line(tmp_path):
+    """RLIMIT_FSIZE makes tensorstore's writes fail inside orbax's writer threads (EFBIG), as a full disk does: the
+    other writers are shut down before the error is printed, and it is printed alone."""
+    cmd = [sys.executable, "-c", _FAILING_SAVE, str(tmp_path / "wd"), "100000"]
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    _assert_only_the_error_line(r, "a file exceeds the file-size limit (ulimit -f)")
+
+
+def test_a_real_full_disk_prints_only_the_error_line(tmp_path):
+    """A 1 MiB tmpfs in a private mount namespace (needs root; skipped elsewhere): ENOSPC from the kernel."""
+    import shutil
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {mnt}"],
+                           capture_output=True, text=True) if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip(f"no private tmpfs here: {probe.stderr.strip() if probe else 'no unshare'}")
+    script = tmp_path / "save.py"
+    script.write_text(_FAILING_SAVE)
+    shell = f"mount -t tmpfs -o size=1m tmpfs {mnt} && exec {sys.executable} {script} {mnt}/wd 0"
+    r = subprocess.run(["unshare", "-m", "sh", "-c", shell], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=300)
+    _assert_only_the_error_line(r, "no space left on device")

@@ -7,8 +7,9 @@
 Workers are fresh interpreters (`python -c ...`, not fork: the trainer process runs JAX threads) that import only the
 reward module, so they start in about a second and never load JAX. They talk to the pool over their stdin/stdout
 pipes with length-prefixed pickles. A worker that overruns its item, crashes or exits is killed and replaced; the
-item scores 0.0, so one pathological answer cannot stall a step. Each worker's address space is capped
-(RLIMIT_AS, `memory_mb`): an answer that makes the checker allocate gigabytes fails there and scores 0.0. A limit
+item scores 0.0, so one pathological answer cannot stall a step. Workers ignore SIGINT and SIGTERM (a Ctrl-C or
+a launcher's signal reaches the whole process group): the trainer finishes its step with them and owns their end.
+Each worker's address space is capped (RLIMIT_AS, `memory_mb`): an answer that makes the checker allocate gigabytes fails there and scores 0.0. A limit
 inside the trainer process could not be hard (a long C call ignores signals), so `num_workers=0`, the setting for
 tiny CPU runs, means the smallest pool: one worker.
 
@@ -44,7 +45,11 @@ STARTUP_TIMEOUT_S = 120.0
 FAILED_SHARE_WARNING = 0.25  # warn when more than this share of a batch times out or fails
 log = logging.getLogger("sage_jax")
 _HEADER = struct.Struct(">Q")
-_WORKER_CODE = "from sage_jax.rewards.pool import worker_main; worker_main()"
+# A Ctrl-C (SIGINT to the terminal's whole process group) or a launcher's group-wide SIGTERM must not kill the
+# workers while the trainer finishes its step and saves: they ignore both from their first line (before the imports,
+# so no KeyboardInterrupt traceback either), and the parent owns their shutdown (stdin EOF, kill, parent-death watch).
+_WORKER_CODE = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, "
+                "signal.SIG_IGN); from sage_jax.rewards.pool import worker_main; worker_main()")
 
 
 def resolve(fn: str | Callable[..., Any]) -> str:
