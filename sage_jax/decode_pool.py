@@ -144,7 +144,8 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
     tok_N, logp_N = sample(logits_NxV, row_keys(key, zeros_N, rows_N))
     out = record(_Out(tokens_NxC, logp_NxC, zeros_N, jnp.zeros((N,), jnp.bool_)), rows_N, zeros_N, valid_N, tok_N,
                  logp_N)
-    cache = constrain_cache(model_lib.init_cache(cfg, S, P + C))
+    bits = jnp.dtype(cfg.compute_dtype).itemsize == 2  # the cache as bits (model.BITS): no whole-cache converts
+    cache = constrain_cache(model_lib.init_cache(cfg, S, P + C, model_lib.BITS if bits else None))
     empty_S = jnp.full((S,), N, jnp.int32)
     pool = _Pool(empty_S, jnp.ones((S,), jnp.int32), jnp.zeros((S,), jnp.int32), cache, jnp.int32(0), jnp.int32(1))
     pool = _refill(pool, done(out), out, prompt_cache, G)
