@@ -120,7 +120,8 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
                                top_p=top_p if plan.use_top_p else None, min_p=min_p if plan.use_min_p else None)
 
     mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
-    prompt_cache = constrain_cache(model_lib.init_cache(cfg, B, P))
+    bits = model_lib.BITS if jnp.dtype(cfg.compute_dtype).itemsize == 2 else None  # the caches as bits: never
+    prompt_cache = constrain_cache(model_lib.init_cache(cfg, B, P, bits))  # converted whole (model.BITS)
     h_BxPxD, prompt_cache = model_lib.forward_with_cache(cfg, params, prompt_BxP, model_lib.default_positions(mask_BxP),
                                                          prompt_cache, 0, mask_BxP, return_hidden=True)
     prompt_cache = constrain_cache(prompt_cache)
@@ -144,8 +145,7 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
     tok_N, logp_N = sample(logits_NxV, row_keys(key, zeros_N, rows_N))
     out = record(_Out(tokens_NxC, logp_NxC, zeros_N, jnp.zeros((N,), jnp.bool_)), rows_N, zeros_N, valid_N, tok_N,
                  logp_N)
-    bits = jnp.dtype(cfg.compute_dtype).itemsize == 2  # the cache as bits (model.BITS): no whole-cache converts
-    cache = constrain_cache(model_lib.init_cache(cfg, S, P + C, model_lib.BITS if bits else None))
+    cache = constrain_cache(model_lib.init_cache(cfg, S, P + C, bits))
     empty_S = jnp.full((S,), N, jnp.int32)
     pool = _Pool(empty_S, jnp.ones((S,), jnp.int32), jnp.zeros((S,), jnp.int32), cache, jnp.int32(0), jnp.int32(1))
     pool = _refill(pool, done(out), out, prompt_cache, G)

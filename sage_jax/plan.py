@@ -290,7 +290,7 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
     """The report: shapes, analytic and compiled per-device bytes, the peak phase and the verdict; with the TPU
     compiler also the roofline PREDICTION of the run (sage_jax.roofline). cache_dir: sage_jax.plan_cache's.
     names: the memory programs to compile (a subset answers for those only, with no prediction)."""
-    from sage_jax import plan_cache, plan_programs, sharding
+    from sage_jax import plan_cache, plan_programs, plan_report, sharding
     found, chips, compiler_info = _devices(compiler, chip, topology, devices)
     mesh = sharding.make_mesh(tuple(config.mesh.shape), devices=found)
     cache = plan_cache.Cache(cache_dir, plan_cache.compiler_tag(mesh.devices))
@@ -326,7 +326,7 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
         print(f"  compiled the cost variants in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         prediction = roofline.predict(costs, cfg, config, shapes, chip, chips, len(found))
     peak = phases.get(peak_phase, 0)
-    return {
+    report = {
         "config": config_name, "devices": len(found), "chips": chips, "compiler": compiler_info,
         "mesh": dict(mesh.shape), "memory_bytes": memory,
         "model": {"source": source, "num_layers": cfg.num_layers, "num_params": cfg.num_params,
@@ -339,6 +339,7 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
         "fits": not oom and peak <= memory, "headroom_bytes": memory - peak, "warnings": warnings,
         "prediction": prediction, "cache": {"dir": cache.directory, "hits": cache.hits},
     }
+    return report | {"sampler_breakdown": plan_report.sampler_breakdown(report)}
 
 
 def prepare(args: argparse.Namespace) -> None:

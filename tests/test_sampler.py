@@ -470,10 +470,15 @@ def test_bits_cache_decodes_exactly_like_a_bf16_cache():
     B, S = 3, 2 * model.DECODE_BLOCK + 5  # > one block: the blocked attention's path
     step = jax.jit(lambda c, tok, idx: model.forward_with_cache(cfg, p, tok[:, None], idx[:, None], c, idx,
                                                                 jnp.ones((B, S), bool), return_hidden=True))
-    caches = {dt: model.init_cache(cfg, B, S, dt) for dt in (None, model.BITS)}
-    hidden = {}
+    prefill = jax.jit(lambda c, tok: model.forward_with_cache(cfg, p, tok, jnp.broadcast_to(jnp.arange(4), (B, 4)),
+                                                             c, 0, jnp.ones((B, S), bool), return_hidden=True))
+    tok_Bx4 = jnp.asarray([[1, 2, 3, 4], [9, 8, 7, 6], [40, 41, 42, 43]], jnp.int32)
+    hidden, caches = {}, {}
+    for dt in (None, model.BITS):  # the prompt written at [0, 4) with one index (the prefill's path), then decode
+        hidden[dt], caches[dt] = prefill(model.init_cache(cfg, B, S, dt), tok_Bx4)
+    np.testing.assert_array_equal(np.asarray(hidden[None], np.float32), np.asarray(hidden[model.BITS], np.float32))
     for i in range(6):
-        idx = jnp.asarray([i, 2 * i + 1, S - 6 + i], jnp.int32)
+        idx = jnp.asarray([4 + i, 2 * i + 5, S - 6 + i], jnp.int32)
         tok = jnp.asarray([5 + i, 9, 60 - i], jnp.int32)
         for dt in caches:
             hidden[dt], caches[dt] = step(caches[dt], tok, idx)
