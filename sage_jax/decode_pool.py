@@ -153,6 +153,9 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
 
     def body(carry):
         pool, out = carry
+        # The weights pass a barrier with the step count, so XLA cannot hoist their all-gathers (and XLA:CPU its
+        # float32 copies of 16-bit weights) out of the loop: that held the whole model gathered beside the cache.
+        params_in, _ = jax.lax.optimization_barrier((params, pool.steps))
         active_S = active(pool, out)
         prompt_S = jnp.minimum(pool.row_S, N - 1) // G
         # An idle slot writes at position 0 and reads nothing else, so the attention bound (the furthest filled
@@ -160,9 +163,9 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
         index_S = jnp.where(active_S, P + pool.pos_S - 1, 0)
         kv_mask_SxT = jnp.concatenate([mask_BxP[prompt_S], jnp.ones((S, C), jnp.bool_)], axis=1) & active_S[:, None]
         positions_Sx1 = (prompt_len_B[prompt_S] + pool.pos_S - 1)[:, None]
-        h_Sx1xD, cache = model_lib.forward_with_cache(cfg, params, pool.last_S[:, None], positions_Sx1, pool.cache,
+        h_Sx1xD, cache = model_lib.forward_with_cache(cfg, params_in, pool.last_S[:, None], positions_Sx1, pool.cache,
                                                       index_S, kv_mask_SxT, return_hidden=True)
-        logits_SxV = model_lib.logits_from_hidden(cfg, params, h_Sx1xD)[:, 0]
+        logits_SxV = model_lib.logits_from_hidden(cfg, params_in, h_Sx1xD)[:, 0]
         tok_S, logp_S = sample(logits_SxV, row_keys(key, pool.pos_S, jnp.minimum(pool.row_S, N - 1)))
         out = record(out, pool.row_S, pool.pos_S, active_S, tok_S, logp_S)
         pool = pool._replace(pos_S=pool.pos_S + active_S, last_S=tok_S, cache=constrain_cache(cache),

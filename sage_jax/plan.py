@@ -4,6 +4,7 @@
     python -m sage_jax.plan --config configs/qwen7b_branch.py --devices 32 --compiler cpu
     python -m sage_jax.plan --config configs/qwen7b_branch.py --devices 32 --layers 2    # quick, extrapolated
     python -m sage_jax.plan --config configs/qwen7b_branch.py --devices 32 --no-compile  # analytic only
+    python -m sage_jax.plan --config configs/qwen7b_branch.py --devices 64 --programs sampler  # + its breakdown
 
 Builds the config's mesh and lowers the trainer's own programs on abstract inputs (ShapeDtypeStructs with
 shardings, no weights; sage_jax.plan_programs), at the worst-case shapes a step can reach:
