@@ -196,10 +196,13 @@ def _step(ctx: _Ctx, pool: _Pool, out: _Out) -> tuple[_Pool, _Out]:
     index_W = jnp.where(active_W, P + pool.pos_S - 1, 0)
     kv_mask_WxT = jnp.concatenate([ctx.mask_BxP[prompt_W], jnp.ones((W, C), jnp.bool_)], axis=1) & active_W[:, None]
     positions_Wx1 = (ctx.prompt_len_B[prompt_W] + pool.pos_S - 1)[:, None]
-    h_Wx1xD, cache = model_lib.forward_with_cache(ctx.cfg, ctx.params, pool.last_S[:, None], positions_Wx1,
+    # The weights pass a barrier with the step count, so XLA cannot hoist their all-gathers (and XLA:CPU its
+    # float32 copies of 16-bit weights) out of the loop: that held the whole model gathered beside the cache.
+    params, _ = jax.lax.optimization_barrier((ctx.params, pool.steps))
+    h_Wx1xD, cache = model_lib.forward_with_cache(ctx.cfg, params, pool.last_S[:, None], positions_Wx1,
                                                   pool.cache, index_W, kv_mask_WxT, return_hidden=True,
                                                   cache_groups=ctx.groups)
-    logits_WxV = model_lib.logits_from_hidden(ctx.cfg, ctx.params, h_Wx1xD)[:, 0]
+    logits_WxV = model_lib.logits_from_hidden(ctx.cfg, params, h_Wx1xD)[:, 0]
     tok_W, logp_W = ctx.sample(logits_WxV, row_keys(ctx.key, pool.pos_S, jnp.minimum(pool.row_S, N - 1)))
     out = _record(ctx, out, pool.row_S, pool.pos_S, active_W, tok_W, logp_W)
     return pool._replace(pos_S=pool.pos_S + active_W, last_S=tok_W, cache=constrain_cache(cache),
@@ -250,7 +253,8 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
                                top_p=top_p if plan.use_top_p else None, min_p=min_p if plan.use_min_p else None)
 
     mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
-    prompt_cache = constrain_cache(model_lib.init_cache(cfg, B, P))
+    bits = model_lib.BITS if jnp.dtype(cfg.compute_dtype).itemsize == 2 else None  # the caches as bits: never
+    prompt_cache = constrain_cache(model_lib.init_cache(cfg, B, P, bits))  # converted whole (model.BITS)
     h_BxPxD, prompt_cache = model_lib.forward_with_cache(cfg, params, prompt_BxP, model_lib.default_positions(mask_BxP),
                                                          prompt_cache, 0, mask_BxP, return_hidden=True)
     prompt_cache = constrain_cache(prompt_cache)
@@ -265,7 +269,7 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
     tok_N, logp_N = sample(logits_NxV, row_keys(key, zeros_N, rows_N))
     out = _record(ctx, _Out(tokens_NxC, logp_NxC, zeros_N, jnp.zeros((N,), jnp.bool_)), rows_N, zeros_N,
                   ctx.valid_N, tok_N, logp_N)
-    cache = constrain_cache(model_lib.init_cache(cfg, S, P + C))
+    cache = constrain_cache(model_lib.init_cache(cfg, S, P + C, bits))
     empty_S = jnp.full((S,), N, jnp.int32)
     pool = _Pool(empty_S, jnp.ones((S,), jnp.int32), jnp.zeros((S,), jnp.int32), cache, jnp.int32(0), jnp.int32(1))
     pool = _refill(pool, _done(ctx, out), out, prompt_cache, G)

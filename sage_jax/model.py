@@ -35,6 +35,10 @@ def rope_frequencies(cfg: ModelConfig):
 
 
 DECODE_BLOCK = 64  # cache slots per step of the blocked decode attention
+# A KV cache of this dtype holds a 16-bit compute dtype's bits. The slot pool's cache is one: written, copied and
+# sliced as bits, it is never converted whole (XLA:TPU kept a uint16 copy beside a bfloat16 one of every layer's
+# cache, XLA:CPU float32 copies, when bf16 <-> uint16 bitcasts sat at the loops' boundaries).
+BITS = jnp.dtype(jnp.uint16)
 
 
 def cache_rows(c_RxKxSxH, rows: int, groups: int = 1, start=0, length: int | None = None) -> jax.Array:
@@ -151,11 +155,24 @@ def _project(lp: Params, name: str, equation: str, x: jax.Array, cdt) -> jax.Arr
     return y + matmul(f"{lead}r,r{outer}->{y_letters}", down, adapter["b"].astype(cdt))
 
 
+def _as_bits(x, dtype) -> jax.Array:
+    """x in a cache of `dtype`: a uint16 cache holds a 16-bit float's bits (init_cache(..., BITS))."""
+    if dtype == BITS and x.dtype.itemsize == 2:
+        return jax.lax.bitcast_convert_type(x, BITS)
+    return x.astype(dtype)
+
+
+def _from_cache(c, cdt) -> jax.Array:
+    """A cache array in the compute dtype: a bitcast for a bits cache (free, and XLA folds it into the bitcasts of
+    _blocked_decode_attention's slices), else a convert."""
+    return jax.lax.bitcast_convert_type(c, cdt) if c.dtype == BITS and cdt.itemsize == 2 else c.astype(cdt)
+
+
 def _write_cache(c_RxKxSxH, x_BxTxKxH, index, groups: int = 1) -> jax.Array:
     """x written at cache positions [index, index + T): one index for all rows, or one per row ([B]: the decode
     slots of sampler's pool each have their own), a scatter of each row's T entries, into the rows cache_rows
     names when the cache has more rows than x (R > B)."""
-    x_BxKxTxH = x_BxTxKxH.swapaxes(1, 2).astype(c_RxKxSxH.dtype)
+    x_BxKxTxH = _as_bits(x_BxTxKxH.swapaxes(1, 2), c_RxKxSxH.dtype)
     if jnp.ndim(index) == 0:
         return jax.lax.dynamic_update_slice_in_dim(c_RxKxSxH, x_BxKxTxH, index, 2)
     put = lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, 1)
@@ -196,7 +213,7 @@ def _block(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, allowed_BxTxS, 
     q, k = rope_lib.apply(q, positions_BxT, inv_freq, scale), rope_lib.apply(k, positions_BxT, inv_freq, scale)
     if kv_cache is not None:
         kv_cache = tuple(_write_cache(c, x, cache_index, cache_groups) for c, x in zip(kv_cache, (k, v)))
-        attn = _cached_attention(q, kv_cache[0].astype(cdt), kv_cache[1].astype(cdt), allowed_BxTxS, cache_groups)
+        attn = _cached_attention(q, _from_cache(kv_cache[0], cdt), _from_cache(kv_cache[1], cdt), allowed_BxTxS, cache_groups)
     elif segment_ids_BxT is not None:
         attn = attention_lib.attend(cfg.attention, q, k, v, segment_ids_BxT, cfg.attention_block)
     else:
@@ -327,7 +344,8 @@ def logprobs_and_entropy(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array
 # --------------------------------------------------------------------------------------------------- KV cache
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> list[tuple[jax.Array, ...]]:
-    """One (k, v) pair per layer, each [B, KV, max_len, hd] (heads before slots: see _cached_attention)."""
+    """One (k, v) pair per layer, each [B, KV, max_len, hd] (heads before slots: see _cached_attention); dtype BITS
+    (uint16): a 16-bit compute dtype's bits, read and written as such by forward_with_cache."""
     dt = jnp.dtype(dtype or cfg.compute_dtype)
     shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return [(jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(cfg.num_layers)]

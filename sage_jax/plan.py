@@ -4,6 +4,7 @@
     python -m sage_jax.plan --config configs/qwen7b_branch.py --devices 32 --compiler cpu
     python -m sage_jax.plan --config configs/qwen7b_branch.py --devices 32 --layers 2    # quick, extrapolated
     python -m sage_jax.plan --config configs/qwen7b_branch.py --devices 32 --no-compile  # analytic only
+    python -m sage_jax.plan --config configs/qwen7b_branch.py --devices 64 --programs sampler  # + its breakdown
 
 Builds the config's mesh and lowers the trainer's own programs on abstract inputs (ShapeDtypeStructs with
 shardings, no weights; sage_jax.plan_programs), at the worst-case shapes a step can reach:
@@ -91,12 +92,17 @@ def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--no-predict", action="store_true", help="with --compiler tpu: memory only, no roofline")
     parser.add_argument("--cache", default=None, help="compile cache directory (sage_jax.plan_cache; default "
                         "$SAGE_JAX_PLAN_CACHE or ~/.cache/sage_jax/plan; 'off': compile everything)")
+    parser.add_argument("--programs", default=",".join(PROGRAMS), help="memory programs to compile, comma-separated "
+                        f"({', '.join(PROGRAMS)}); a subset skips the prediction (e.g. sampler: its breakdown only)")
     parser.add_argument("--json", default="", help="write the report as one JSON line to this file ('-': stdout)")
     args = parser.parse_args([a for a in argv if not a.startswith("--config.")])
     if args.topology and not re.fullmatch(r"[1-9]\d*(x[1-9]\d*){1,2}", args.topology):
         parser.error(f"--topology {args.topology!r} is not a slice shape: write AxB or AxBxC, e.g. 2x4x4 (v5p-64)")
     if args.memory_gb is not None and not args.memory_gb > 0:
         parser.error(f"--memory-gb {args.memory_gb:g}: must be > 0 (memory per device in GB)")
+    args.programs = tuple(p for p in args.programs.split(",") if p)
+    if not args.programs or set(args.programs) - set(PROGRAMS):
+        parser.error(f"--programs {','.join(args.programs)!r}: name some of {', '.join(PROGRAMS)}")
     if args.compiler == "cpu" and args.devices < 1:
         parser.error("--compiler cpu needs --devices N >= 1 (the number of simulated devices)")
     if args.compiler == "tpu":
@@ -155,28 +161,29 @@ def resolve_model(config):
 
 # --------------------------------------------------------------------------------------------------- compile
 
-def compile_programs(cfg, config, mesh, rules, shapes, cache=None) -> dict[str, dict[str, int]]:
-    """memory_analysis() of each program; a program the TPU compiler finds too big for HBM gets {"oom": message}.
-    cache: a plan_cache.Cache (the names it answered are added to cache.hits)."""
+def compile_programs(cfg, config, mesh, rules, shapes, cache=None, programs=PROGRAMS) -> dict[str, dict[str, int]]:
+    """memory_analysis() of each of `programs`; a program the TPU compiler finds too big for HBM gets {"oom":
+    message}. cache: a plan_cache.Cache (the names it answered are added to cache.hits)."""
     import jax
     from sage_jax import plan_cache, plan_programs as pp, sharding
     with sharding.use_rules(rules):  # outside the mesh: optax builds its state template eagerly
         state, ref, tx, schedule = pp.abstract_state(cfg, config, mesh, rules)
+    # the trainer runs no-grad passes train.logprob_rows rows at a time
+    ref_rows = min(shapes.step_rows, config.train.logprob_rows or shapes.step_rows)
+    lowerers = {
+        "train_step": lambda: pp.lower_train_step(cfg, config, state, ref, tx, schedule,
+                                                  pp.abstract_batch(config, shapes, shapes.update_rows, mesh)),
+        "sampler": lambda: pp.lower_sampler(cfg, config, pp.policy_params(config, state, ref), shapes, mesh),
+        "ref_logprobs": lambda: pp.lower_ref_logprobs(cfg, config, ref, pp.abstract_batch(config, shapes, ref_rows,
+                                                                                          mesh), shapes),
+    }
     with jax.set_mesh(mesh), sharding.use_rules(rules):
-        # the trainer runs no-grad passes train.logprob_rows rows at a time
-        ref_rows = min(shapes.step_rows, config.train.logprob_rows or shapes.step_rows)
-        lowered = {
-            "train_step": pp.lower_train_step(cfg, config, state, ref, tx, schedule,
-                                              pp.abstract_batch(config, shapes, shapes.update_rows, mesh)),
-            "sampler": pp.lower_sampler(cfg, config, pp.policy_params(config, state, ref), shapes, mesh),
-            "ref_logprobs": pp.lower_ref_logprobs(cfg, config, ref, pp.abstract_batch(config, shapes, ref_rows, mesh),
-                                                  shapes),
-        }
+        lowered = {k: lowerers[k]() for k in programs}
     t0 = time.perf_counter()
     cache = cache or plan_cache.Cache(None, "")
     out, hits = plan_cache.measure_all(cache, "memory", lowered, pp.memory_stats, pp.compile_in_parallel)
     cache.hits += [f"{k} ({cfg.num_layers} layers)" for k in hits]
-    print(f"  compiled {', '.join(k for k in PROGRAMS if k not in hits) or 'nothing'} ({cfg.num_layers} layers) in "
+    print(f"  compiled {', '.join(k for k in programs if k not in hits) or 'nothing'} ({cfg.num_layers} layers) in "
           f"{time.perf_counter() - t0:.1f} s" + (f"; from the plan cache: {', '.join(hits)}" if hits else ""),
           file=sys.stderr)
     return out
@@ -189,11 +196,12 @@ def extrapolate(a: dict[str, int], b: dict[str, int], layers_a: int, layers: int
 
 # --------------------------------------------------------------------------------------------------- analytic bytes
 
-def kv_cache_bytes(cfg, shapes, mesh, rules) -> tuple[int, bool]:
-    """(per-device bytes of all layers' k and v, whether the cache's sharding constraint applies)."""
+def kv_cache_bytes(cfg, shapes, mesh, rules, rows: int = 0, length: int = 0) -> tuple[int, bool]:
+    """(per-device bytes of all layers' k and v, whether the cache's sharding constraint applies): the slot cache,
+    or rows x length positions (the prompt caches: sampler_prompts x prompt_len)."""
     import jax.numpy as jnp
     from sage_jax import model as model_lib, sharding
-    shape = (shapes.sampler_slots, cfg.num_kv_heads, shapes.cache_len, cfg.head_dim)  # model.cache_axes() order
+    shape = (rows or shapes.sampler_slots, cfg.num_kv_heads, length or shapes.cache_len, cfg.head_dim)
     spec = sharding.logical_to_spec(model_lib.cache_axes(), rules)
     split = [math.prod(mesh.shape[a] for a in ((e,) if isinstance(e, str) else e)) if e else 1 for e in spec]
     split += [1] * (len(shape) - len(split))
@@ -226,7 +234,8 @@ def analytic(cfg, config, mesh, rules, shapes) -> tuple[dict[str, int], list[str
     lora = lora_config(config) is not None
     out = {"params": tree_bytes(state["params"]), "opt_state": tree_bytes(state["opt_state"]) + tree_bytes(
         state["step"]), "ref_params": 0 if lora else tree_bytes(ref), "base_params": tree_bytes(ref) if lora else 0,
-        "kv_cache": kv, "step_batch": tree_bytes(batch),
+        "kv_cache": kv, "prompt_caches": kv_cache_bytes(cfg, shapes, mesh, rules, shapes.sampler_prompts,
+                                                        shapes.prompt_len)[0], "step_batch": tree_bytes(batch),
         "opt_state_if_sharded": opt_bytes_if_sharded_like_params(state["opt_state"], state["params"])}
     # Parts of the step's batch that stay on device while the reference pass runs (tokens / mask are its inputs).
     out["batch_besides_ref_inputs"] = tree_bytes({k: v for k, v in batch.items() if k not in (
@@ -263,25 +272,26 @@ def _devices(compiler: str, chip: str, topology: str, devices: int):
                           "topology": f"{chip}:{topology}", "device_kind": found[0].device_kind}
 
 
-def _compile_all(cfg, config, mesh, rules, shapes, layers: int, cache):
+def _compile_all(cfg, config, mesh, rules, shapes, layers: int, cache, names=PROGRAMS):
     """(programs at full depth, what was compiled at which depth)."""
     full = cfg.num_layers
     if layers and layers < full:
-        measured = {n: compile_programs(cfg.replace(num_layers=n), config, mesh, rules, shapes, cache)
+        measured = {n: compile_programs(cfg.replace(num_layers=n), config, mesh, rules, shapes, cache, names)
                     for n in (layers, layers + 1)}
         a, b = measured.values()
-        oom = {k: a[k] if "oom" in a[k] else b[k] for k in PROGRAMS if "oom" in a[k] or "oom" in b[k]}
-        return {k: oom.get(k) or extrapolate(a[k], b[k], layers, full) for k in PROGRAMS}, measured
-    programs = compile_programs(cfg, config, mesh, rules, shapes, cache)
+        oom = {k: a[k] if "oom" in a[k] else b[k] for k in names if "oom" in a[k] or "oom" in b[k]}
+        return {k: oom.get(k) or extrapolate(a[k], b[k], layers, full) for k in names}, measured
+    programs = compile_programs(cfg, config, mesh, rules, shapes, cache, names)
     return programs, {full: programs}
 
 
 def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: int = 0, do_compile: bool = True,
         config_name: str = "", compiler: str = "cpu", chip: str = "v5p", topology: str = "",
-        predict: bool = True, cache_dir: str = "off") -> dict[str, Any]:
+        predict: bool = True, cache_dir: str = "off", names: Sequence[str] = PROGRAMS) -> dict[str, Any]:
     """The report: shapes, analytic and compiled per-device bytes, the peak phase and the verdict; with the TPU
-    compiler also the roofline PREDICTION of the run (sage_jax.roofline). cache_dir: sage_jax.plan_cache's."""
-    from sage_jax import plan_cache, plan_programs, sharding
+    compiler also the roofline PREDICTION of the run (sage_jax.roofline). cache_dir: sage_jax.plan_cache's.
+    names: the memory programs to compile (a subset answers for those only, with no prediction)."""
+    from sage_jax import plan_cache, plan_programs, plan_report, sharding
     found, chips, compiler_info = _devices(compiler, chip, topology, devices)
     mesh = sharding.make_mesh(tuple(config.mesh.shape), devices=found)
     cache = plan_cache.Cache(cache_dir, plan_cache.compiler_tag(mesh.devices))
@@ -289,7 +299,8 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
     cfg, source = resolve_model(config)
     shapes = plan_programs.plan_shapes(config, mesh)
     static, warnings = analytic(cfg, config, mesh, rules, shapes)
-    programs, measured = _compile_all(cfg, config, mesh, rules, shapes, layers, cache) if do_compile else ({}, {})
+    programs, measured = _compile_all(cfg, config, mesh, rules, shapes, layers, cache,
+                                        tuple(names)) if do_compile else ({}, {})
     state = static["params"] + static["opt_state"]
     # With LoRA every program takes the frozen base as an argument, so only full fine-tuning's reference copy and
     # what the program does not take count as resident beside it.
@@ -298,7 +309,7 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
                 "ref_logprobs": state + static["batch_besides_ref_inputs"]}
     oom = {k: p["oom"] for k, p in programs.items() if "oom" in p}
     if do_compile:
-        phases = {k: programs[k]["peak"] + resident[k] for k in PROGRAMS if k not in oom}
+        phases = {k: p["peak"] + resident[k] for k, p in programs.items() if k not in oom}
     else:  # lower bounds: what must be resident, without any activations
         held = state + static["base_params"] + static["ref_params"]
         phases = {"train_step": held + static["step_batch"], "sampler": held + static["kv_cache"],
@@ -307,14 +318,16 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
     peak_phase = max(phases, key=phases.get) if phases else next(iter(oom))
     memory = round(memory_gb * GB)
     prediction = None
-    if compiler == "tpu" and predict and not oom:
+    if do_compile and len(names) < len(PROGRAMS):
+        warnings.append(f"only {', '.join(names)} compiled (--programs): the verdict covers no other program")
+    if compiler == "tpu" and predict and not oom and len(names) == len(PROGRAMS):
         from sage_jax import roofline
         t0 = time.perf_counter()
         costs = roofline.measure_costs(cfg, config, mesh, rules, shapes, cache=cache)
         print(f"  compiled the cost variants in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         prediction = roofline.predict(costs, cfg, config, shapes, chip, chips, len(found))
     peak = phases.get(peak_phase, 0)
-    return {
+    report = {
         "config": config_name, "devices": len(found), "chips": chips, "compiler": compiler_info,
         "mesh": dict(mesh.shape), "memory_bytes": memory,
         "model": {"source": source, "num_layers": cfg.num_layers, "num_params": cfg.num_params,
@@ -327,6 +340,7 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
         "fits": not oom and peak <= memory, "headroom_bytes": memory - peak, "warnings": warnings,
         "prediction": prediction, "cache": {"dir": cache.directory, "hits": cache.hits},
     }
+    return report | {"sampler_breakdown": plan_report.sampler_breakdown(report)}
 
 
 def prepare(args: argparse.Namespace) -> None:
@@ -354,8 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory_gb = args.memory_gb or CHIPS_GB[args.chip or "v5p"]
     report = run(config, args.devices, memory_gb, layers=args.layers, do_compile=not args.no_compile,
                  config_name=args.config, compiler=args.compiler, chip=args.chip or "v5p", topology=args.topology,
-                 predict=not args.no_predict, cache_dir=args.cache or plan_cache.default_dir())
-    if args.compiler == "tpu" and not args.no_predict:  # the off-policy placements (phase_model: analytic)
+                 predict=not args.no_predict, cache_dir=args.cache or plan_cache.default_dir(), names=args.programs)
+    if args.compiler == "tpu" and not args.no_predict and report["prediction"]:  # the off-policy placements (phase_model: analytic)
         from sage_jax import plan_phases
         report["placements"] = plan_phases.placements_for(config, resolve_model(config)[0], args.chip or "v5p",
                                                           report["chips"])

@@ -13,6 +13,31 @@ def _fmt(n: int) -> str:
     return f"{n} B"
 
 
+SLOT_CACHE_SLACK = 1.15  # issue 26's bound: the sampler holds its weights, the slot cache (+15%) and prompt caches
+
+
+def sampler_breakdown(r: dict[str, Any]) -> dict[str, Any] | None:
+    """The compiled sampler's per-device peak split into the weights shard it takes, the slot KV cache, the prompt
+    caches (analytic, from the shardings) and the rest (activations, logits, gathered copies, code), with issue 26's
+    bound weights + 1.15 x KV cache + prompt caches; None when the sampler was not compiled."""
+    p, a = r["programs"].get("sampler"), r["analytic"]
+    if not p or "oom" in p:
+        return None
+    weights = a["params"] + a["base_params"]  # with LoRA the base and the adapters: what the sampler takes
+    kv, prompts = a["kv_cache"], a["prompt_caches"]
+    bound = weights + SLOT_CACHE_SLACK * kv + prompts
+    return {"peak": p["peak"], "weights": weights, "kv_cache": kv, "prompt_caches": prompts,
+            "rest": p["peak"] - weights - kv - prompts, "temp": p["temp"], "temp_over_kv": p["temp"] / kv if kv else 0,
+            "bound": round(bound), "within_bound": p["peak"] <= bound}
+
+
+def _breakdown_line(b: dict[str, Any]) -> str:
+    return (f"sampler breakdown per device: peak {_fmt(b['peak'])} = weights shard {_fmt(b['weights'])} + KV cache "
+            f"{_fmt(b['kv_cache'])} + prompt caches {_fmt(b['prompt_caches'])} + the rest {_fmt(b['rest'])}; temp "
+            f"{_fmt(b['temp'])} = {b['temp_over_kv']:.2f}x the KV cache; bound weights + {SLOT_CACHE_SLACK} x KV + "
+            f"prompt caches = {_fmt(b['bound'])}: {'within' if b['within_bound'] else 'OVER'}")
+
+
 def format_report(r: dict[str, Any]) -> str:
     m, s, a = r["model"], r["shapes"], r["analytic"]
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
@@ -44,7 +69,8 @@ def format_report(r: dict[str, Any]) -> str:
         "params)",
         *([f"  frozen base         {_fmt(a['base_params']):>12}   (also the reference: no second copy)"] if lora
           else [f"  reference params    {_fmt(a['ref_params']):>12}"]),
-        f"  KV cache (rollout)  {_fmt(a['kv_cache']):>12}   (inside the sampler's temp)",
+        f"  KV cache (rollout)  {_fmt(a['kv_cache']):>12}   (inside the sampler's temp; prompt caches "
+        f"{_fmt(a.get('prompt_caches', 0))})",
         f"  step batch          {_fmt(a['step_batch']):>12}",
     ]
     if r["programs"]:
@@ -62,6 +88,8 @@ def format_report(r: dict[str, Any]) -> str:
     else:
         lines += ["", "no compile: phases below are lower bounds (resident state, batch and KV cache; no activations)"]
         lines += [f"  {name:13} {_fmt(v):>11}" for name, v in r["phases"].items()]
+    if r.get("sampler_breakdown"):
+        lines.append(_breakdown_line(r["sampler_breakdown"]))
     verdict = "fits" if r["fits"] else "DOES NOT FIT"
     bound = " at least" if r["lower_bound"] else ""
     oom = [k for k, p in r["programs"].items() if "oom" in p]

@@ -472,3 +472,29 @@ def test_placements_add_up_and_hide_the_host_only_off_policy():
 def test_plan_chip_cpu_goes_to_the_phase_check():
     assert plan._cpu_check(["--chip", "cpu"]) and plan._cpu_check(["--chip=cpu", "--presets", "tiny"])
     assert not plan._cpu_check(["--chip", "v5p", "--config", "x.py"])
+
+
+def test_sampler_only_plan_and_its_breakdown_add_up():
+    """--programs sampler (in process, XLA:CPU, 8 devices): only the sampler is compiled, no prediction, and the
+    breakdown splits its compiled peak into the weights shard, the slot KV cache and the prompt caches (each counted
+    by hand from the shapes and the mesh) and the rest, with issue 26's bound."""
+    import math
+    from sage_jax import config as config_lib, plan_report
+    config = config_lib.load(TINY, ["--config.model.compute_dtype=bfloat16"])  # 2-byte caches, as on a TPU
+    r = plan.run(config, devices=8, memory_gb=16, config_name=TINY, names=("sampler",))
+    assert set(r["programs"]) == {"sampler"} == set(r["phases"]) and r["prediction"] is None
+    assert any("only sampler compiled" in w for w in r["warnings"])
+    b, a, s, p = r["sampler_breakdown"], r["analytic"], r["shapes"], r["programs"]["sampler"]
+    cfg, _ = plan.resolve_model(config)
+    dp, tp = r["mesh"]["data"] * r["mesh"]["fsdp"], r["mesh"]["tensor"]
+    kv_heads = cfg.num_kv_heads // tp if cfg.num_kv_heads % tp == 0 else cfg.num_kv_heads
+    per_position = 2 * cfg.num_layers * kv_heads * cfg.head_dim * 2  # k and v, bf16
+    assert b["kv_cache"] == a["kv_cache"] == s["sampler_slots"] // dp * s["cache_len"] * per_position
+    prompts = s["sampler_prompts"] // dp if s["sampler_prompts"] % dp == 0 else s["sampler_prompts"]
+    assert b["prompt_caches"] == prompts * s["prompt_len"] * per_position
+    assert b["weights"] == a["params"] and b["peak"] == p["peak"] and b["temp"] == p["temp"]
+    assert b["weights"] + b["kv_cache"] + b["prompt_caches"] + b["rest"] == b["peak"]
+    assert math.isclose(b["temp_over_kv"], p["temp"] / a["kv_cache"])
+    assert b["bound"] == round(a["params"] + plan_report.SLOT_CACHE_SLACK * a["kv_cache"] + b["prompt_caches"])
+    assert b["within_bound"] == (b["peak"] <= b["bound"])
+    assert "sampler breakdown per device" in plan.format_report(r)

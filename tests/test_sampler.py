@@ -489,3 +489,31 @@ def test_rollout_slots_validation(value, ok):
 def test_auto_slots_is_every_row_without_a_memory_limit():
     assert jax.local_devices()[0].memory_stats() is None or "bytes_limit" not in jax.local_devices()[0].memory_stats()
     assert sampler.auto_slots(CFG, rows=16, prompts=4, cache_len=144, prompt_len=16, mesh=None) == 16
+
+
+def test_bits_cache_decodes_exactly_like_a_bf16_cache():
+    """model.BITS (the slot pool's cache): a bf16 model's k / v kept as uint16 bits, written per row and read by the
+    blocked decode attention, gives the bf16 cache's hidden states and cache bits exactly (bitcasts are exact)."""
+    cfg = CFG.replace(compute_dtype="bfloat16")
+    p = _random_params(cfg, seed=3)
+    B, S = 3, 2 * model.DECODE_BLOCK + 5  # > one block: the blocked attention's path
+    step = jax.jit(lambda c, tok, idx: model.forward_with_cache(cfg, p, tok[:, None], idx[:, None], c, idx,
+                                                                jnp.ones((B, S), bool), return_hidden=True))
+    prefill = jax.jit(lambda c, tok: model.forward_with_cache(cfg, p, tok, jnp.broadcast_to(jnp.arange(4), (B, 4)),
+                                                             c, 0, jnp.ones((B, S), bool), return_hidden=True))
+    tok_Bx4 = jnp.asarray([[1, 2, 3, 4], [9, 8, 7, 6], [40, 41, 42, 43]], jnp.int32)
+    hidden, caches = {}, {}
+    for dt in (None, model.BITS):  # the prompt written at [0, 4) with one index (the prefill's path), then decode
+        hidden[dt], caches[dt] = prefill(model.init_cache(cfg, B, S, dt), tok_Bx4)
+    np.testing.assert_array_equal(np.asarray(hidden[None], np.float32), np.asarray(hidden[model.BITS], np.float32))
+    for i in range(6):
+        idx = jnp.asarray([4 + i, 2 * i + 5, S - 6 + i], jnp.int32)
+        tok = jnp.asarray([5 + i, 9, 60 - i], jnp.int32)
+        for dt in caches:
+            hidden[dt], caches[dt] = step(caches[dt], tok, idx)
+        assert caches[model.BITS][0][0].dtype == model.BITS
+        np.testing.assert_array_equal(np.asarray(hidden[None], np.float32), np.asarray(hidden[model.BITS], np.float32))
+    for (k, v), (kb, vb) in zip(caches[None], caches[model.BITS]):
+        np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(k, jnp.uint16)), np.asarray(kb))
+        np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(v, jnp.uint16)), np.asarray(vb))
+    assert np.abs(np.asarray(kb)).sum() > 0  # something was written
