@@ -1,13 +1,18 @@
 """A PREDICTION of each phase of one RL step from a machine's peak FLOP/s and memory bandwidth (an analytic roofline
 beside roofline.py's compiled one), and of the step's placements: on-policy colocated, k = 1 colocated, k = 1 split.
 
-Each phase takes max(FLOPs / peak, bytes / bandwidth), summed over its calls:
+Each phase takes max(FLOPs / rate, bytes / bandwidth) (on a CPU their sum: Machine.overlap), summed over its calls
+(rate: the peak, or on a CPU the matmul rate measured at the phase's own shapes, by kind: dense layers, attention,
+unembedding):
 - prefill: every prompt once at its bucket; reads the weights once;
-- decode: one step per generated position j, at the batch the sampler runs then (the live rows, rounded up to its
-  decode bucket), each reading every weight once and, per row, the KV cache written so far (prompt + j slots); the
-  tail of a long-tailed batch is a run of steps with a few rows that still read every weight;
-- reference: one forward over the batch's tokens (packed: the real ones; padded: rows x (prompt + completion bucket));
-- update: forward + backward (3x forward) plus the optimizer's pass over the params and its two moments.
+- decode: one step per generated position j at the slot pool's width (S slots compute while any row is live; with
+  issue 26's shrink stages, narrower once the queue is empty: decode_batches), each reading every weight once and,
+  per row, the KV cache written so far (prompt + j slots), plus a measured fixed and per-row cost per step on a CPU;
+  the tail of a long-tailed batch is a run of steps with a few live rows that still read every weight;
+- reference: one forward over the trainer's own loss layout (loss_layout: padded rows, or packed rows with their
+  padding, logits at every packed position and, on XLA:CPU, dense attention over the whole packed row);
+- update: forward + backward (3x forward) plus what the backward recomputes (attention, logits chunks; everything
+  with remat) and the optimizer's pass over the params and its two moments.
 Host work (rewards, tokenising) is the measured or given seconds. Collectives are not counted (assumed hidden).
 """
 
@@ -31,6 +36,8 @@ class Machine:
     link_bytes_per_s: float = 0.0  # per device across the cut between two sub-meshes (0: bytes_per_s)
     decode_step_s: float = 0.0  # fixed cost of one decode step beyond its roofline (op launches; measured on a CPU)
     decode_row_s: float = 0.0   # and per row it computes (sampling over the vocabulary, cache writes; measured)
+    overlap: bool = True  # memory traffic hides under compute (a TPU's roofline max); False: they add (XLA:CPU runs
+    #                       a bandwidth-bound op, e.g. the decode step's cache read, after the matmuls, not beside)
 
 
 def _bytes(dtype: str) -> int:
@@ -41,8 +48,9 @@ def _kv_bytes_per_slot(cfg) -> float:
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _bytes(cfg.compute_dtype)
 
 
-def _roof(flops: float, bytes_: float, m: Machine, devices: float) -> float:
-    return max(flops / (m.flops_per_s * devices), bytes_ / (m.bytes_per_s * devices))
+def _both(compute_s, memory_s, m: Machine):
+    """One call's seconds from its compute and memory seconds: the roofline's max, or their sum (Machine.overlap)."""
+    return np.maximum(compute_s, memory_s) if m.overlap else compute_s + memory_s
 
 
 def stage_widths(slots: int, dp: int) -> list[int]:
@@ -93,13 +101,13 @@ def generation(cfg, prompts: int, prompt_len: int, lengths_N: np.ndarray, m: Mac
     weights = cfg.num_params * w / tensor          # each data shard reads its tensor slice of every weight
     shards = max(1.0, devices / tensor)
     prefill_f = prompts * (P * (2 * per_layer + per_slot * P) + 2 * D * V)
-    prefill = max(prefill_f / (m.flops_per_s * devices), weights / m.bytes_per_s)
+    prefill = _both(prefill_f / (m.flops_per_s * devices), weights / m.bytes_per_s, m)
     rows_J, live_J = decode_batches(lengths_N, slots, stage_dp)
     j = np.minimum(np.arange(1, len(rows_J) + 1), int(np.max(lengths_N)))  # a slot's position, at most its cache
     flops_J = rows_J * (2 * per_layer + 2 * D * V + per_slot * (P + j))
     # per device: its share of the rows' cache and FLOPs, its tensor slice of the weights
-    step_J = np.maximum(flops_J / (m.flops_per_s * devices),
-                        (weights + rows_J / shards * (P + j) * kv / tensor) / m.bytes_per_s) \
+    step_J = _both(flops_J / (m.flops_per_s * devices),
+                   (weights + rows_J / shards * (P + j) * kv / tensor) / m.bytes_per_s, m) \
         + m.decode_step_s + m.decode_row_s * rows_J / shards
     tail = live_J <= max(1, len(lengths_N) // 8)
     return {"prefill_s": float(prefill), "decode_s": float(step_J.sum()), "tail_s": float(step_J[tail].sum())}
@@ -157,13 +165,17 @@ def training(cfg, prompt_len: int, lengths_N: np.ndarray, m: Machine, devices: f
     f_s = _compute_s(f, m, devices, rates)
     # the update's forward + backward at each kind's measured forward + backward rate where given
     update_rates = {k: (rates or {}).get(f"{k}_update") or (rates or {}).get(k, m.flops_per_s) for k in f}
-    update_s = _compute_s({k: 3 * v for k, v in f.items()}, m, devices, update_rates)
+    # and what the backward recomputes: model.hidden's checkpoint policy keeps only the matmuls without batch
+    # dims (the attention einsums have them), the loss recomputes each logits chunk, remat recomputes everything
+    again = {"dense": f["dense"] if cfg.remat else 0.0, "attention": f["attention"], "unembed": f["unembed"]}
+    update_s = _compute_s({k: 3 * v for k, v in f.items()}, m, devices, update_rates) \
+        + _compute_s(again, m, devices, rates)
     w = cfg.num_params * _bytes(cfg.param_dtype)
     trained = cfg.num_params if trained_params is None else trained_params
     # Adam in fp32: read param, grad, 2 moments; write param, 2 moments
     opt_bytes = 7 * 4 * trained
-    ref = max(f_s, w / (m.bytes_per_s * devices))
-    update = updates * max(update_s, (3 * w + opt_bytes) / (m.bytes_per_s * devices))
+    ref = float(_both(f_s, w / (m.bytes_per_s * devices), m))
+    update = updates * float(_both(update_s, (3 * w + opt_bytes) / (m.bytes_per_s * devices), m))
     return {"ref_s": ref, "update_s": update}
 
 

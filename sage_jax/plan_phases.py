@@ -21,7 +21,8 @@ from sage_jax import phase_model
 
 def measure_machine(repeats: int = 5) -> phase_model.Machine:
     """This machine's fp32 matmul peak (bench.common.matmul_peak_fn) and memory bandwidth (a jitted elementwise
-    pass over 256 MiB: read once, written once), best of `repeats`."""
+    pass over 256 MiB: read once, written once), best of `repeats`; XLA:CPU's ops run one after another, so its
+    compute and memory seconds add (Machine.overlap False)."""
     import jax
     import jax.numpy as jnp
     from sage_jax.bench import common
@@ -31,7 +32,8 @@ def measure_machine(repeats: int = 5) -> phase_model.Machine:
     best = lambda fn: min(_seconds(fn) for _ in range(repeats))
     jax.block_until_ready((peak_fn(), read(x)))
     return phase_model.Machine(flops_per_s=peak_flops / best(peak_fn), bytes_per_s=x.nbytes / best(lambda: read(x)),
-                               name=f"cpu ({jax.devices()[0].device_kind}, {jax.device_count()} device)")
+                               name=f"cpu ({jax.devices()[0].device_kind}, {jax.device_count()} device)",
+                               overlap=False)
 
 
 def _rates(fn, args, flops: float, repeats: int, backward: bool = True) -> tuple[float, float]:
@@ -40,16 +42,21 @@ def _rates(fn, args, flops: float, repeats: int, backward: bool = True) -> tuple
     import jax
     jitted = jax.jit(fn)
     out = jax.block_until_ready(jitted(*args))
+    # one call per timing: independent calls dispatched together run side by side on XLA:CPU's cores, which
+    # would count one core's single-threaded small matmuls as if they had the machine to themselves
     best = lambda f: min(_seconds(f) for _ in range(repeats))
     if not backward:
         return flops / best(lambda: jitted(*args)), 0.0
     dy = jax.tree.map(lambda o: jax.random.normal(jax.random.key(2), o.shape, o.dtype), out)
-    both = jax.jit(lambda args, dy: jax.vjp(fn, *args)[1](dy))
+    def both(args, dy):  # the primal output too: a linear fn's backward needs none of it, and XLA would drop it
+        out, pullback = jax.vjp(fn, *args)
+        return out, pullback(dy)
+    both = jax.jit(both)
     jax.block_until_ready(both(args, dy))
     return flops / best(lambda: jitted(*args)), 3 * flops / best(lambda: both(args, dy))
 
 
-def shaped_rates(cfg, rows: int, logit_rows: int, attn_rows: int, attn_len: int, repeats: int = 5,
+def shaped_rates(cfg, rows: int, logit_rows: int, attn_rows: int, attn_len: int, repeats: int = 7,
                  update: bool = True) -> dict[str, float]:
     """FLOP/s of this machine at a model's own shapes (small matmuls run far below the 2048^3 peak on a CPU), by
     phase_model.forward_flops kind: "dense", one layer's seven matmuls at [rows, hidden] (distinct weights: one
@@ -117,6 +124,38 @@ def decode_overhead(cfg, params, machine: phase_model.Machine, rows: Sequence[in
                                                               "roofline_step_s": model}
 
 
+def layer_seconds(cfg, params, prompt_len: int, lengths, repeats: int = 3) -> dict[str, float]:
+    """MEASURED seconds of the decoder layers alone (model.hidden, no unembedding or loss) on the trainer's loss
+    layout for these lengths (rollouts.build_batch, packed): forward, and forward + backward (jax.vjp): what of
+    the reference pass and the update the layers take, to set beside the matmul kinds' predicted seconds."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from sage_jax import model, rollouts
+    N, C = len(lengths), int(max(lengths))
+    rng = np.random.default_rng(0)
+    ro = dict(prompt_tokens=rng.integers(2, cfg.vocab_size, (N, prompt_len)), prompt_mask=np.ones((N, prompt_len)),
+              tokens=rng.integers(2, cfg.vocab_size, (N, C)), lengths=np.asarray(lengths), finished=lengths < C,
+              sampler_logp=np.zeros((N, C), np.float32))
+    batch = rollouts.build_batch(ro, np.zeros(N, np.float32), 0, C, packed=True, slices=[1])
+    if "segment_ids" in batch:
+        args = tuple(jnp.asarray(batch[k]).reshape(-1, batch[k].shape[-1]) for k in ("tokens", "positions",
+                                                                                    "segment_ids"))
+        fwd = lambda p, t, pos, seg: model.hidden(cfg, p, t, pos, segment_ids_BxT=seg)
+    else:
+        args = (jnp.asarray(batch["tokens"]), jnp.asarray(batch["mask"]))
+        fwd = lambda p, t, mask: model.hidden(cfg, p, t, mask_BxT=mask)
+    f = jax.jit(fwd)
+    dy = jax.random.normal(jax.random.key(3), jax.eval_shape(fwd, params, *args).shape, jnp.float32)
+    def both(p, dy, *a):
+        out, pullback = jax.vjp(lambda p: fwd(p, *a), p)
+        return out, pullback(dy)
+    both = jax.jit(both)
+    jax.block_until_ready((f(params, *args), both(params, dy, *args)))
+    best = lambda g: min(_seconds(g) for _ in range(repeats))
+    return {"layers_fwd_s": best(lambda: f(params, *args)), "layers_fwd_bwd_s": best(lambda: both(params, dy, *args))}
+
+
 def _decode_rate(cfg, rates: dict[str, float]) -> float:
     """One FLOP/s for a decode step's matmuls: the dense and unembedding rates at its rows, weighted by FLOPs."""
     from sage_jax.bench import flops as bench_flops
@@ -163,6 +202,10 @@ def validate(presets: Sequence[str], workloads: Sequence[str], prompts: int, gro
                 row[f"meas_{phase}"] = statistics.median(m[phase] for m in measured)
                 row[f"ratio_{phase}"] = row[f"pred_{phase}"] / row[f"meas_{phase}"]
             row["meas_batch_s"] = statistics.median(m["batch_s"] for m in measured)
+            # the layers alone, measured, beside the predicted seconds of their matmuls (dense + attention)
+            row.update(layer_seconds(cfg, params, prompt_len, lengths))
+            f = phase_model.forward_flops(cfg, lay["positions"], lay["logit_positions"], lay["keys"])
+            row["pred_layers_fwd_s"] = f["dense"] / rates["dense"] + f["attention"] / rates["attention"]
             row["steps"] = measured
             rows.append(row)
     return machine, rows
@@ -180,7 +223,9 @@ def format_validation(machine: phase_model.Machine, rows: list[dict]) -> str:
               f"{r['unembed_gflops_per_s']:.1f}, decode {r['decode_gflops_per_s']:.1f}; forward + backward: "
               f"dense {r['dense_update_gflops_per_s']:.1f}, attention {r['attention_update_gflops_per_s']:.1f}, "
               f"unembed {r['unembed_update_gflops_per_s']:.1f}; decode step "
-              f"+{r['decode_step_ms']:.2f} ms +{r['decode_row_ms']:.3f} ms/row)")
+              f"+{r['decode_step_ms']:.2f} ms +{r['decode_row_ms']:.3f} ms/row; the layers alone MEASURED "
+              f"{r['layers_fwd_s']:.3f} s forward (their matmuls PREDICTED {r['pred_layers_fwd_s']:.3f} s), "
+              f"{r['layers_fwd_bwd_s']:.3f} s forward + backward)")
     lines.append("pred: PREDICTION (phase_model), meas: MEASURED median seconds, p/m: their ratio (target 0.75-1.25)")
     return "\n".join(lines)
 

@@ -52,3 +52,31 @@ def test_loss_layout_follows_the_trainers_batch():
     assert within["keys"] == ((32 + lengths) ** 2).sum() / tokens < packed["keys"]
     padded = phase_model.loss_layout(32, lengths, packed=False)
     assert padded["positions"] == 64 * 160 and padded["logit_positions"] == 64 * 128
+
+
+def test_update_counts_what_the_backward_recomputes():
+    cfg = model.preset("small")
+    m = phase_model.Machine(flops_per_s=1e12, bytes_per_s=1e30)  # compute only
+    lengths = workloads.longtail_lengths(64, 128)
+    lay = phase_model.loss_layout(32, lengths, packed=True)
+    f = phase_model.forward_flops(cfg, lay["positions"], lay["logit_positions"], lay["keys"])
+    t = phase_model.training(cfg, 32, lengths, m)
+    assert np.isclose(t["ref_s"], sum(f.values()) / 1e12)
+    # 3x forward, plus the attention and the logits chunks again (only the batch-free matmuls are kept)
+    assert np.isclose(t["update_s"], (3 * sum(f.values()) + f["attention"] + f["unembed"]) / 1e12)
+    remat = phase_model.training(cfg.replace(remat=True), 32, lengths, m)
+    assert np.isclose(remat["update_s"], 4 * sum(f.values()) / 1e12)
+    rates = {"dense": 5e11, "dense_update": 2.5e11}
+    slow = phase_model.training(cfg, 32, lengths, m, rates=rates)
+    assert np.isclose(slow["update_s"] - t["update_s"], 3 * f["dense"] * (1 / 2.5e11 - 1 / 1e12))
+
+
+def test_a_cpu_adds_memory_to_compute():
+    cfg, lengths = model.preset("small"), np.full(64, 64)
+    tpu = phase_model.Machine(flops_per_s=1e11, bytes_per_s=1e10)
+    cpu = phase_model.Machine(flops_per_s=1e11, bytes_per_s=1e10, overlap=False)
+    flops_only = phase_model.Machine(flops_per_s=1e11, bytes_per_s=1e30)
+    bytes_only = phase_model.Machine(flops_per_s=1e30, bytes_per_s=1e10)
+    g = lambda m: phase_model.generation(cfg, 8, 32, lengths, m)["decode_s"]
+    assert np.isclose(g(cpu), g(flops_only) + g(bytes_only))
+    assert max(g(flops_only), g(bytes_only)) <= g(tpu) < g(cpu)
