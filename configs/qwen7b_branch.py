@@ -15,4 +15,10 @@ ARGS = ()  # accepted config arguments (configs/NAME.py:ARG): none, so any is an
 def get_config(arg=None):
     c = paper.get_config(arg)
     c.loss.guide = "branch"  # gamma 0.3, tau 1.2, q in [0.6, 1.4]: the defaults
+    # Placement: on-policy and colocated (train.off_policy_steps 0, mesh.rollout_devices 0, from configs/base.py).
+    # phase_model's PREDICTION for v5p:4x4x2 with long-tailed lengths (`python -m sage_jax.plan_placements --config
+    # configs/qwen7b_branch.py --chip v5p --chips 32`) puts the best k = 1 placement, split with n = 16 rollout
+    # chips, at 1.15x the on-policy tokens/s: below the 1.25x that would make it the default. With issue 26's decode
+    # shrink stages (`--decode-stages`) it predicts 1.37x for split n = 8, i.e. `train.off_policy_steps = 1` and
+    # `mesh.rollout_devices = 8` here once those stages land (docs/PERFORMANCE.md "Off-policy steps").
     return c

@@ -21,7 +21,8 @@ from sage_jax import phase_model
 
 def measure_machine(repeats: int = 5) -> phase_model.Machine:
     """This machine's fp32 matmul peak (bench.common.matmul_peak_fn) and memory bandwidth (a jitted elementwise
-    pass over 256 MiB: read once, written once), best of `repeats`."""
+    pass over 256 MiB: read once, written once), best of `repeats`; XLA:CPU's ops run one after another, so its
+    compute and memory seconds add (Machine.overlap False)."""
     import jax
     import jax.numpy as jnp
     from sage_jax.bench import common
@@ -31,21 +32,61 @@ def measure_machine(repeats: int = 5) -> phase_model.Machine:
     best = lambda fn: min(_seconds(fn) for _ in range(repeats))
     jax.block_until_ready((peak_fn(), read(x)))
     return phase_model.Machine(flops_per_s=peak_flops / best(peak_fn), bytes_per_s=x.nbytes / best(lambda: read(x)),
-                               name=f"cpu ({jax.devices()[0].device_kind}, {jax.device_count()} device)")
+                               name=f"cpu ({jax.devices()[0].device_kind}, {jax.device_count()} device)",
+                               overlap=False)
 
 
-def shaped_rate(rows: int, cfg, repeats: int = 5) -> float:
-    """FLOP/s of this machine's matmul at a model's own shape, [rows, hidden] @ [hidden, intermediate] (small
-    matmuls run far below the 2048^3 peak on a CPU)."""
+def _rates(fn, args, flops: float, repeats: int, backward: bool = True) -> tuple[float, float]:
+    """(FLOP/s of fn(*args), of its forward + backward: jax.vjp against a random cotangent, 3 x the FLOPs; 0.0
+    without `backward`)."""
+    import jax
+    jitted = jax.jit(fn)
+    out = jax.block_until_ready(jitted(*args))
+    # one call per timing: independent calls dispatched together run side by side on XLA:CPU's cores, which
+    # would count one core's single-threaded small matmuls as if they had the machine to themselves
+    best = lambda f: min(_seconds(f) for _ in range(repeats))
+    if not backward:
+        return flops / best(lambda: jitted(*args)), 0.0
+    dy = jax.tree.map(lambda o: jax.random.normal(jax.random.key(2), o.shape, o.dtype), out)
+    def both(args, dy):  # the primal output too: a linear fn's backward needs none of it, and XLA would drop it
+        out, pullback = jax.vjp(fn, *args)
+        return out, pullback(dy)
+    both = jax.jit(both)
+    jax.block_until_ready(both(args, dy))
+    return flops / best(lambda: jitted(*args)), 3 * flops / best(lambda: both(args, dy))
+
+
+def shaped_rates(cfg, rows: int, logit_rows: int, attn_rows: int, attn_len: int, repeats: int = 7,
+                 update: bool = True) -> dict[str, float]:
+    """FLOP/s of this machine at a model's own shapes (small matmuls run far below the 2048^3 peak on a CPU), by
+    phase_model.forward_flops kind: "dense", one layer's seven matmuls at [rows, hidden] (distinct weights: one
+    scaled weight would let XLA factor the scale out); "unembed", [logit_rows, hidden] @ [hidden, vocab];
+    "attention", attention as attention.naive runs it (scores, mask, softmax, mixing) over attn_rows rows of
+    attn_len positions; and each kind's forward + backward, "KIND_update" (update: False leaves them 0)."""
     import jax
     import jax.numpy as jnp
-    a = jax.random.normal(jax.random.key(0), (rows, cfg.hidden_size), jnp.float32)
-    # eight distinct weights (one scaled weight would let XLA factor the scale out and run one matmul)
-    b = jax.random.normal(jax.random.key(1), (8, cfg.hidden_size, cfg.intermediate_size), jnp.float32)
-    mm = jax.jit(lambda a, b: [a @ b[i] for i in range(8)])
-    jax.block_until_ready(mm(a, b))
-    return 8 * 2.0 * rows * cfg.hidden_size * cfg.intermediate_size / min(_seconds(lambda: mm(a, b))
-                                                                          for _ in range(repeats))
+    D, I, V, H = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+    N, K = cfg.num_heads, cfg.num_kv_heads
+    key = iter(jax.random.split(jax.random.key(0), 16))
+    normal = lambda *shape: jax.random.normal(next(key), shape, jnp.float32)
+    shapes = [(D, N * H), (D, K * H), (D, K * H), (N * H, D), (D, I), (D, I), (I, D)]
+    ws = [normal(i, o) for i, o in shapes]
+    x, xi = normal(rows, D), normal(rows, I)
+    dense = lambda x, xi, ws: [(xi if w.shape[0] == I else x) @ w for w in ws]
+    kinds = {"dense": (dense, (x, xi, ws), sum(2.0 * rows * i * o for i, o in shapes)),
+             "unembed": (lambda x, w: x @ w, (normal(logit_rows, D), normal(D, V)), 2.0 * logit_rows * D * V)}
+    q, k, v = normal(attn_rows, K, N // K * attn_len, H), normal(attn_rows, K, attn_len, H), normal(attn_rows, K,
+                                                                                                    attn_len, H)
+    causal = jnp.tile(jnp.tril(jnp.ones((attn_len, attn_len), bool)), (N // K, 1))
+
+    def attend(q, k, v):
+        scores = jnp.where(causal, jnp.einsum("bkqh,bksh->bkqs", q, k) / H ** 0.5, -1e30)
+        return jnp.einsum("bkqs,bksh->bkqh", jax.nn.softmax(scores, axis=-1), v)
+    kinds["attention"] = (attend, (q, k, v), 4.0 * attn_rows * N * attn_len * attn_len * H)
+    out = {}
+    for kind, (fn, args, flops) in kinds.items():
+        out[kind], out[f"{kind}_update"] = _rates(fn, args, flops, repeats, backward=update)
+    return out
 
 
 def _seconds(fn) -> float:
@@ -58,27 +99,77 @@ def _seconds(fn) -> float:
 PHASES = ("generate_s", "ref_s", "update_s")
 
 
-def decode_step_overhead(cfg, params, machine: phase_model.Machine, rows: int = 4, short: int = 32,
-                         long: int = 96) -> float:
-    """The decode step's fixed cost beyond its roofline, measured: sampler.generate of `rows` rows (one decode
-    bucket) to `long` and to `short` tokens, the difference per step, less the roofline's step at those rows."""
+def decode_overhead(cfg, params, machine: phase_model.Machine, rows: Sequence[int] = (4, 16, 32), short: int = 32,
+                    long: int = 96) -> tuple[float, float, dict]:
+    """(fixed seconds per decode step, seconds per row it computes) beyond the roofline, measured on
+    sampler.generate alone: at each row count, `rows` rows to `long` and to `short` tokens, the difference per step
+    less the roofline's step at those rows (at the matmul rate measured at them); a least-squares line through
+    them."""
     import numpy as np
     from sage_jax import sampler
-    prompts = [[2 + i for i in range(16)]] * rows
+    measured, model = [], []
+    for r in rows:
+        prompts = [[2 + i for i in range(16)]] * r
 
-    def seconds(n):
-        gen = lambda: sampler.generate(cfg, params, prompts, n, eos_ids=(), seed=0)
-        _seconds(gen)  # compiles
-        return min(_seconds(gen) for _ in range(3))
-    per_step = (seconds(long) - seconds(short)) / (long - short)
-    lengths = np.full(rows, long)
-    model = phase_model.generation(cfg, rows, 16, lengths, machine)["decode_s"] / (long - 1)
-    return max(0.0, per_step - model)
+        def seconds(n):
+            gen = lambda: sampler.generate(cfg, params, prompts, n, eos_ids=(), seed=0)
+            _seconds(gen)  # compiles
+            return min(_seconds(gen) for _ in range(3))
+        measured.append((seconds(long) - seconds(short)) / (long - short))
+        at_rows = dataclasses.replace(machine, flops_per_s=_decode_rate(cfg, shaped_rates(cfg, r, r, 1, 16,
+                                                                                           update=False)))
+        model.append(phase_model.generation(cfg, r, 16, np.full(r, long), at_rows)["decode_s"] / (long - 1))
+    per_row, fixed = np.polyfit(np.asarray(rows, float), np.subtract(measured, model), 1)
+    return max(0.0, float(fixed)), max(0.0, float(per_row)), {"rows": list(rows), "measured_step_s": measured,
+                                                              "roofline_step_s": model}
+
+
+def layer_seconds(cfg, params, prompt_len: int, lengths, repeats: int = 3) -> dict[str, float]:
+    """MEASURED seconds of the decoder layers alone (model.hidden, no unembedding or loss) on the trainer's loss
+    layout for these lengths (rollouts.build_batch, packed): forward, and forward + backward (jax.vjp): what of
+    the reference pass and the update the layers take, to set beside the matmul kinds' predicted seconds."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from sage_jax import model, rollouts
+    N, C = len(lengths), int(max(lengths))
+    rng = np.random.default_rng(0)
+    ro = dict(prompt_tokens=rng.integers(2, cfg.vocab_size, (N, prompt_len)), prompt_mask=np.ones((N, prompt_len)),
+              tokens=rng.integers(2, cfg.vocab_size, (N, C)), lengths=np.asarray(lengths), finished=lengths < C,
+              sampler_logp=np.zeros((N, C), np.float32))
+    batch = rollouts.build_batch(ro, np.zeros(N, np.float32), 0, C, packed=True, slices=[1])
+    if "segment_ids" in batch:
+        args = tuple(jnp.asarray(batch[k]).reshape(-1, batch[k].shape[-1]) for k in ("tokens", "positions",
+                                                                                    "segment_ids"))
+        fwd = lambda p, t, pos, seg: model.hidden(cfg, p, t, pos, segment_ids_BxT=seg)
+    else:
+        args = (jnp.asarray(batch["tokens"]), jnp.asarray(batch["mask"]))
+        fwd = lambda p, t, mask: model.hidden(cfg, p, t, mask_BxT=mask)
+    f = jax.jit(fwd)
+    dy = jax.random.normal(jax.random.key(3), jax.eval_shape(fwd, params, *args).shape, jnp.float32)
+    def both(p, dy, *a):
+        out, pullback = jax.vjp(lambda p: fwd(p, *a), p)
+        return out, pullback(dy)
+    both = jax.jit(both)
+    jax.block_until_ready((f(params, *args), both(params, dy, *args)))
+    best = lambda g: min(_seconds(g) for _ in range(repeats))
+    return {"layers_fwd_s": best(lambda: f(params, *args)), "layers_fwd_bwd_s": best(lambda: both(params, dy, *args))}
+
+
+def _decode_rate(cfg, rates: dict[str, float]) -> float:
+    """One FLOP/s for a decode step's matmuls: the dense and unembedding rates at its rows, weighted by FLOPs."""
+    from sage_jax.bench import flops as bench_flops
+    dense, unembed = 2.0 * bench_flops.layer_params(cfg), 2.0 * cfg.hidden_size * cfg.vocab_size
+    return (dense + unembed) / (dense / rates["dense"] + unembed / rates["unembed"])
 
 
 def validate(presets: Sequence[str], workloads: Sequence[str], prompts: int, group: int, prompt_len: int,
              new_tokens: int, repeats: int) -> tuple[phase_model.Machine, list[dict]]:
+    """Per preset and workload: the measured phases of the RL-step benchmark's steps beside phase_model's
+    PREDICTION from rates measured in the same run (the reference phase without the host's batch building:
+    time/ref_s + time/old_s; time/batch_s is reported beside it)."""
     import numpy as np
+    from sage_jax import attention
     from sage_jax import workloads as wl
     from sage_jax.bench import common, rl_step
     machine = measure_machine()
@@ -86,23 +177,36 @@ def validate(presets: Sequence[str], workloads: Sequence[str], prompts: int, gro
     for preset in presets:
         cfg = common.preset_config(preset, "fp32")
         params = common.init_params(cfg, 0)
-        at = dataclasses.replace(machine, decode_step_s=decode_step_overhead(cfg, params, machine))
+        fixed, per_row, calib = decode_overhead(cfg, params, machine)
+        at = dataclasses.replace(machine, decode_step_s=fixed, decode_row_s=per_row)
         prompts_BxP = np.random.default_rng(0).integers(2, cfg.vocab_size, (prompts, prompt_len))
         for workload in workloads:
             lengths = wl.workload_lengths(workload, prompts * group, new_tokens, 0)
             run = rl_step.sage_rl_runner(preset, "fp32", params, prompts_BxP, group, lengths, beta=0.05)
             run()  # compiles
             measured = [run() for _ in range(repeats)]
-            tokens = int(phase_model.step_tokens(prompt_len, lengths, True)[0])
-            shaped = {"train": shaped_rate(min(tokens, 8192), cfg), "decode": shaped_rate(prompts * group, cfg)}
-            predicted = phase_model.predict_phases(cfg, prompts, prompt_len, lengths, at, shaped=shaped)
-            row = {"preset": preset, "workload": workload, "decode_step_ms": at.decode_step_s * 1e3,
-                   "train_gflops_per_s": shaped["train"] / 1e9,
-                   "decode_gflops_per_s": shaped["decode"] / 1e9}
+            for m in measured:
+                m["ref_s"] -= m["batch_s"]
+            lay = phase_model.loss_layout(prompt_len, lengths, True, 1, attention.AUTO_NAIVE_MAX_LEN)
+            rates = shaped_rates(cfg, min(int(lay["positions"]), 8192), min(int(lay["logit_positions"]), 8192),
+                                 max(1, min(64, int(lay["positions"] // lay["row_len"]))), int(lay["row_len"]))
+            decode = shaped_rates(cfg, len(lengths), len(lengths), 1, 16, update=False)
+            rates["decode"] = _decode_rate(cfg, decode)
+            predicted = phase_model.predict_phases(cfg, prompts, prompt_len, lengths, at, rates=rates,
+                                                   dense_attention_max=attention.AUTO_NAIVE_MAX_LEN)
+            row = {"preset": preset, "workload": workload, "decode_step_ms": fixed * 1e3,
+                   "decode_row_ms": per_row * 1e3, "decode_calibration": calib, "layout": lay,
+                   **{f"{k}_gflops_per_s": v / 1e9 for k, v in rates.items()}}
             for phase in PHASES:
                 row[f"pred_{phase}"] = predicted[phase]
                 row[f"meas_{phase}"] = statistics.median(m[phase] for m in measured)
                 row[f"ratio_{phase}"] = row[f"pred_{phase}"] / row[f"meas_{phase}"]
+            row["meas_batch_s"] = statistics.median(m["batch_s"] for m in measured)
+            # the layers alone, measured, beside the predicted seconds of their matmuls (dense + attention)
+            row.update(layer_seconds(cfg, params, prompt_len, lengths))
+            f = phase_model.forward_flops(cfg, lay["positions"], lay["logit_positions"], lay["keys"])
+            row["pred_layers_fwd_s"] = f["dense"] / rates["dense"] + f["attention"] / rates["attention"]
+            row["steps"] = measured
             rows.append(row)
     return machine, rows
 
@@ -114,8 +218,14 @@ def format_validation(machine: phase_model.Machine, rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"{r['preset']:7}{r['workload']:>10}" + "".join(
             f"{r[f'pred_{p}']:>15.3f}{r[f'meas_{p}']:>9.3f}{r[f'ratio_{p}']:>6.2f}" for p in PHASES)
-            + f"   (matmul at the model's shapes: {r['train_gflops_per_s']:.1f} GFLOP/s training, "
-              f"{r['decode_gflops_per_s']:.1f} decoding; decode step's fixed cost {r['decode_step_ms']:.2f} ms)")
+            + f"   (host batch {r['meas_batch_s']:.3f} s; GFLOP/s at the model's shapes: dense "
+              f"{r['dense_gflops_per_s']:.1f}, attention {r['attention_gflops_per_s']:.1f}, unembed "
+              f"{r['unembed_gflops_per_s']:.1f}, decode {r['decode_gflops_per_s']:.1f}; forward + backward: "
+              f"dense {r['dense_update_gflops_per_s']:.1f}, attention {r['attention_update_gflops_per_s']:.1f}, "
+              f"unembed {r['unembed_update_gflops_per_s']:.1f}; decode step "
+              f"+{r['decode_step_ms']:.2f} ms +{r['decode_row_ms']:.3f} ms/row; the layers alone MEASURED "
+              f"{r['layers_fwd_s']:.3f} s forward (their matmuls PREDICTED {r['pred_layers_fwd_s']:.3f} s), "
+              f"{r['layers_fwd_bwd_s']:.3f} s forward + backward)")
     lines.append("pred: PREDICTION (phase_model), meas: MEASURED median seconds, p/m: their ratio (target 0.75-1.25)")
     return "\n".join(lines)
 
@@ -153,7 +263,8 @@ HOST_S_PER_ROLLOUT = 0.0004
 LINK_BYTES_PER_S = 100e9
 
 
-def placements_for(config, cfg, chip: str, chips: int, host_s: float | None = None, seed: int = 0) -> list[dict]:
+def placements_for(config, cfg, chip: str, chips: int, host_s: float | None = None, seed: int = 0,
+                   stages: bool = False) -> list[dict]:
     """k = 0 / k = 1 colocated / k = 1 split (n = a quarter, half and three quarters of the chips) for config's
     rollout shape with long-tailed completion lengths (workloads.longtail_lengths), on `chips` TPU chips."""
     from sage_jax import roofline
@@ -166,7 +277,8 @@ def placements_for(config, cfg, chip: str, chips: int, host_s: float | None = No
     tensor = int(config.mesh.shape[2]) if int(config.mesh.shape[2]) > 0 else 1
     splits = [n for n in (chips // 4, chips // 2, 3 * chips // 4) if n % tensor == 0]
     return phase_model.placements(cfg, ro.prompts_per_step, config.data.max_prompt_len, lengths, machine, chips, tensor,
-                                  host_s, splits, packed=config.train.packing)
+                                  host_s, splits, packed=config.train.packing, stages=stages,
+                                  max_new_tokens=ro.max_new_tokens)
 
 
 def format_placements(rows: list[dict], chip: str, chips: int) -> str:

@@ -107,7 +107,7 @@ def sage_rl_runner(preset: str, dtype: str, params, prompts_BxP: np.ndarray, gro
         h = out.host  # the update's lap waited for the new state and metrics
         return dict(seconds=h["time/step_s"], generate_s=h["time/rollout_s"] - (scored - sampled),
                     reward_s=scored - sampled,
-                    ref_s=h["time/batch_s"] + h["time/ref_s"] + h.get("time/old_s", 0.0),
+                    ref_s=h["time/batch_s"] + h["time/ref_s"] + h.get("time/old_s", 0.0), batch_s=h["time/batch_s"],
                     update_s=h["time/update_s"], padded_frac=h["perf/padded_frac"])
     return run
 

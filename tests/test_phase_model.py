@@ -1,0 +1,82 @@
+"""phase_model: the decode pool's shrink stages (issue 26's rule, modelled here) and the training passes' layout."""
+
+import numpy as np
+
+from sage_jax import model, phase_model, workloads
+
+
+def test_stage_widths_keep_the_multiples_of_the_row_shards():
+    assert phase_model.stage_widths(64, 1) == [64, 32, 16, 8]
+    assert phase_model.stage_widths(64, 16) == [64, 32, 16]
+    assert phase_model.stage_widths(64, 24) == [64]
+    assert phase_model.stage_widths(4, 1) == [4, 2, 1]  # 4 / 8 is no whole width
+    assert phase_model.stage_widths(48, 8) == [48, 24]  # 12 and 6 are below dp / not multiples of it
+
+
+def test_decode_stages_shrink_only_once_the_queue_is_empty():
+    rows, live = phase_model.decode_batches(np.array([10, 2, 2, 2]), slots=4, stage_dp=1)
+    assert rows.tolist() == [4] + [1] * 8 and live.tolist() == [4] + [1] * 8
+    assert (phase_model.decode_batches(np.array([10, 2, 2, 2]), slots=4)[0] == 4).all()  # default: no stages
+    # two slots: the third and fourth rows wait in the queue, so the pool keeps both slots until the last starts
+    rows, live = phase_model.decode_batches(np.array([10, 2, 2, 2]), slots=2, stage_dp=1)
+    start_last = 6  # rows 2, 3, 4 run one after another in the second slot: steps 0-2, 2-4, 4-6
+    assert (rows[:start_last - 1] == 2).all() and (rows[start_last:] == 1).all()
+    lengths = workloads.longtail_lengths(64, 256)
+    for dp in (1, 8, 16):
+        rows, live = phase_model.decode_batches(lengths, stage_dp=dp)
+        assert (rows >= live).all() and (np.diff(rows) <= 0).all()
+        assert set(rows.tolist()) <= set(phase_model.stage_widths(64, dp))
+    assert phase_model.decode_batches(lengths, stage_dp=8)[0].min() == 8
+    assert phase_model.decode_batches(lengths, stage_dp=16)[0].min() == 16
+
+
+def test_stages_cut_the_long_tail_not_equal_lengths():
+    cfg, m = model.preset("small"), phase_model.Machine(flops_per_s=1e12, bytes_per_s=1e11)
+    tail, fixed = workloads.longtail_lengths(64, 256), np.full(64, 256)
+    decode = lambda lengths, dp: phase_model.generation(cfg, 8, 32, lengths, m, stage_dp=dp)["decode_s"]
+    assert decode(tail, 1) < 0.8 * decode(tail, 0)
+    assert decode(fixed, 1) == decode(fixed, 0)
+
+
+def test_loss_layout_follows_the_trainers_batch():
+    fixed = phase_model.loss_layout(32, np.full(64, 128), packed=True, dense_attention_max=256)
+    assert fixed == {"positions": 64 * 160.0, "tokens": 64 * 160.0, "logit_positions": 64 * 128.0, "keys": 160.0,
+                     "row_len": 160.0}  # equal lengths: pack_if_smaller keeps the padded batch
+    lengths = workloads.longtail_lengths(64, 128)
+    packed = phase_model.loss_layout(32, lengths, packed=True, dense_attention_max=256)
+    tokens = 64 * 32 + lengths.sum()
+    assert packed["tokens"] == tokens <= packed["positions"] < 64 * 160
+    assert packed["logit_positions"] == packed["positions"]  # packed rows take logits at every position
+    assert packed["keys"] == packed["row_len"]  # dense attention over the whole packed row
+    within = phase_model.loss_layout(32, lengths, packed=True, dense_attention_max=0)
+    assert within["keys"] == ((32 + lengths) ** 2).sum() / tokens < packed["keys"]
+    padded = phase_model.loss_layout(32, lengths, packed=False)
+    assert padded["positions"] == 64 * 160 and padded["logit_positions"] == 64 * 128
+
+
+def test_update_counts_what_the_backward_recomputes():
+    cfg = model.preset("small")
+    m = phase_model.Machine(flops_per_s=1e12, bytes_per_s=1e30)  # compute only
+    lengths = workloads.longtail_lengths(64, 128)
+    lay = phase_model.loss_layout(32, lengths, packed=True)
+    f = phase_model.forward_flops(cfg, lay["positions"], lay["logit_positions"], lay["keys"])
+    t = phase_model.training(cfg, 32, lengths, m)
+    assert np.isclose(t["ref_s"], sum(f.values()) / 1e12)
+    # 3x forward, plus the attention and the logits chunks again (only the batch-free matmuls are kept)
+    assert np.isclose(t["update_s"], (3 * sum(f.values()) + f["attention"] + f["unembed"]) / 1e12)
+    remat = phase_model.training(cfg.replace(remat=True), 32, lengths, m)
+    assert np.isclose(remat["update_s"], 4 * sum(f.values()) / 1e12)
+    rates = {"dense": 5e11, "dense_update": 2.5e11}
+    slow = phase_model.training(cfg, 32, lengths, m, rates=rates)
+    assert np.isclose(slow["update_s"] - t["update_s"], 3 * f["dense"] * (1 / 2.5e11 - 1 / 1e12))
+
+
+def test_a_cpu_adds_memory_to_compute():
+    cfg, lengths = model.preset("small"), np.full(64, 64)
+    tpu = phase_model.Machine(flops_per_s=1e11, bytes_per_s=1e10)
+    cpu = phase_model.Machine(flops_per_s=1e11, bytes_per_s=1e10, overlap=False)
+    flops_only = phase_model.Machine(flops_per_s=1e11, bytes_per_s=1e30)
+    bytes_only = phase_model.Machine(flops_per_s=1e30, bytes_per_s=1e10)
+    g = lambda m: phase_model.generation(cfg, 8, 32, lengths, m)["decode_s"]
+    assert np.isclose(g(cpu), g(flops_only) + g(bytes_only))
+    assert max(g(flops_only), g(bytes_only)) <= g(tpu) < g(cpu)
