@@ -54,10 +54,9 @@ def _both(compute_s, memory_s, m: Machine):
 
 
 def stage_widths(slots: int, dp: int) -> list[int]:
-    """The decode pool's widths with shrink stages (issue 26): S, S/2, S/4, S/8, keeping those that are whole
-    multiples of dp (= data x fsdp, the rows' shards) and at least dp; always S itself."""
-    return [w for i, w in enumerate(slots >> k for k in range(4))
-            if i == 0 or (slots % (1 << i) == 0 and w >= dp and w % dp == 0)]
+    """The decode pool's widths with shrink stages (issue 26): exactly the sampler's rule (decode_pool.stage_widths)."""
+    from sage_jax.decode_pool import stage_widths as pool_widths
+    return list(pool_widths(slots, dp))
 
 
 def decode_batches(lengths_N: np.ndarray, slots: int | None = None, stage_dp: int = 0
@@ -91,10 +90,12 @@ def decode_batches(lengths_N: np.ndarray, slots: int | None = None, stage_dp: in
 
 
 def generation(cfg, prompts: int, prompt_len: int, lengths_N: np.ndarray, m: Machine, devices: float = 1.0,
-               tensor: int = 1, slots: int | None = None, stage_dp: int = 0) -> dict[str, float]:
+               tensor: int = 1, slots: int | None = None, stage_dp: int | None = None) -> dict[str, float]:
     """Seconds of sampler.generate on `devices` (rows over devices / tensor data shards, weights split `tensor`
     ways): {"prefill_s", "decode_s", "tail_s" (the steps at no more than an eighth of the rows)}; stage_dp: the
-    pool's shrink stages (decode_batches)."""
+    pool's shrink stages (decode_batches; None: the sampler's, over devices / tensor row shards; 0: none)."""
+    if stage_dp is None:
+        stage_dp = max(1, int(round(devices / tensor)))
     P = sampler.prompt_bucket(prompt_len)
     D, V, w = cfg.hidden_size, cfg.vocab_size, _bytes(cfg.param_dtype)
     per_layer, per_slot, kv = bench_flops.layer_params(cfg), bench_flops.attention_per_key(cfg), _kv_bytes_per_slot(cfg)
@@ -194,7 +195,7 @@ def predict_phases(cfg, prompts: int, prompt_len: int, lengths_N: Sequence[int],
 
 
 def placements(cfg, prompts: int, prompt_len: int, lengths_N: Sequence[int], m: Machine, chips: int, tensor: int,
-               host_s: float, splits: Sequence[int], packed: bool = True, stages: bool = False,
+               host_s: float, splits: Sequence[int], packed: bool = True, stages: bool = True,
                max_new_tokens: int = 0) -> list[dict[str, float]]:
     """Step seconds of on-policy colocated, k = 1 colocated and k = 1 split (n chips sample, chips - n train) on a
     slice of `chips`; host_s: the host's work per step (rewards, tokenising), hidden only off-policy. The weight

@@ -264,7 +264,7 @@ LINK_BYTES_PER_S = 100e9
 
 
 def placements_for(config, cfg, chip: str, chips: int, host_s: float | None = None, seed: int = 0,
-                   stages: bool = False) -> list[dict]:
+                   stages: bool = True) -> list[dict]:
     """k = 0 / k = 1 colocated / k = 1 split (n = a quarter, half and three quarters of the chips) for config's
     rollout shape with long-tailed completion lengths (workloads.longtail_lengths), on `chips` TPU chips."""
     from sage_jax import roofline

@@ -1,6 +1,6 @@
 """The placement PREDICTION alone (phase_model: analytic, no compilation):
 
-    python -m sage_jax.plan_placements --config configs/qwen7b_branch.py --chip v5p --chips 32 [--decode-stages]
+    python -m sage_jax.plan_placements --config configs/qwen7b_branch.py --chip v5p --chips 32 [--no-decode-stages]
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ def placements_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--chips", type=int, default=32)
     parser.add_argument("--host-s", type=float, default=None, help="host seconds per step (default: "
                         "HOST_S_PER_ROLLOUT x rollouts / train.reward_workers)")
-    parser.add_argument("--decode-stages", action="store_true", help="model the decode pool's shrink stages "
-                        "(issue 26: S, S/2, S/4, S/8 slots once the queue is empty; phase_model.decode_batches)")
+    parser.add_argument("--no-decode-stages", action="store_true", help="model a decode pool without its shrink "
+                        "stages (the sampler shrinks S, S/2, S/4, S/8 once the queue is empty: decode_pool.stage_widths)")
     args = parser.parse_args([a for a in argv if not a.startswith("--config.")])
     config = config_lib.load(args.config, [a for a in argv if a.startswith("--config.")])
     rows = plan_phases.placements_for(config, plan.resolve_model(config)[0], args.chip, args.chips, args.host_s,
-                                      stages=args.decode_stages)
+                                      stages=not args.no_decode_stages)
     print(plan_phases.format_placements(rows, args.chip, args.chips))
     return 0
 

@@ -6,28 +6,31 @@ from sage_jax import model, phase_model, workloads
 
 
 def test_stage_widths_keep_the_multiples_of_the_row_shards():
+    from sage_jax import decode_pool
     assert phase_model.stage_widths(64, 1) == [64, 32, 16, 8]
-    assert phase_model.stage_widths(64, 16) == [64, 32, 16]
+    assert phase_model.stage_widths(64, 16) == [64, 32]  # at least 2 slots per row shard
     assert phase_model.stage_widths(64, 24) == [64]
-    assert phase_model.stage_widths(4, 1) == [4, 2, 1]  # 4 / 8 is no whole width
-    assert phase_model.stage_widths(48, 8) == [48, 24]  # 12 and 6 are below dp / not multiples of it
+    assert phase_model.stage_widths(4, 1) == [4, 2]  # 4 / 4 leaves 1 slot, 4 / 8 is no whole width
+    assert phase_model.stage_widths(48, 8) == [48, 24]  # 12 and 6 are below 2 dp / not multiples of it
+    for slots, dp in [(64, 1), (64, 8), (48, 8), (32, 4), (24, 3)]:  # the model's rule is the sampler's
+        assert phase_model.stage_widths(slots, dp) == list(decode_pool.stage_widths(slots, dp))
 
 
 def test_decode_stages_shrink_only_once_the_queue_is_empty():
     rows, live = phase_model.decode_batches(np.array([10, 2, 2, 2]), slots=4, stage_dp=1)
-    assert rows.tolist() == [4] + [1] * 8 and live.tolist() == [4] + [1] * 8
+    assert rows.tolist() == [4] + [2] * 8 and live.tolist() == [4] + [1] * 8  # widths 4, 2: at least 2 slots
     assert (phase_model.decode_batches(np.array([10, 2, 2, 2]), slots=4)[0] == 4).all()  # default: no stages
-    # two slots: the third and fourth rows wait in the queue, so the pool keeps both slots until the last starts
-    rows, live = phase_model.decode_batches(np.array([10, 2, 2, 2]), slots=2, stage_dp=1)
-    start_last = 6  # rows 2, 3, 4 run one after another in the second slot: steps 0-2, 2-4, 4-6
-    assert (rows[:start_last - 1] == 2).all() and (rows[start_last:] == 1).all()
+    # 8 slots, 12 rows: the last 4 wait in the queue and start at step 1, so the pool keeps its 8 slots while 5 are
+    # live, and shrinks (to 2, the narrowest width) only once the queue is empty and one row is left
+    rows, live = phase_model.decode_batches(np.array([10] + [2] * 11), slots=8, stage_dp=1)
+    assert rows.tolist() == [8, 8, 8] + [2] * 6 and live.tolist() == [8, 5, 5] + [1] * 6
     lengths = workloads.longtail_lengths(64, 256)
     for dp in (1, 8, 16):
         rows, live = phase_model.decode_batches(lengths, stage_dp=dp)
         assert (rows >= live).all() and (np.diff(rows) <= 0).all()
         assert set(rows.tolist()) <= set(phase_model.stage_widths(64, dp))
-    assert phase_model.decode_batches(lengths, stage_dp=8)[0].min() == 8
-    assert phase_model.decode_batches(lengths, stage_dp=16)[0].min() == 16
+    assert phase_model.decode_batches(lengths, stage_dp=8)[0].min() == 16
+    assert phase_model.decode_batches(lengths, stage_dp=16)[0].min() == 32
 
 
 def test_stages_cut_the_long_tail_not_equal_lengths():
