@@ -88,25 +88,14 @@ def stage_widths(slots: int, dp: int) -> tuple[int, ...]:
     return tuple(widths)
 
 
-def _bits(cache: list) -> list:
-    """16-bit floats as uint16 (bitcasts are free): XLA:CPU does a bf16 dynamic_update_slice in float32 and then
-    carries a float32 copy of the whole cache through the decode loop (model._write_cache does the same)."""
-    as_bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype.itemsize == 2 else a
-    return [tuple(map(as_bits, kv)) for kv in cache]
-
-
-def _unbits(moved: list, like: list) -> list:
-    back = lambda a, b: jax.lax.bitcast_convert_type(a, b.dtype) if a.dtype != b.dtype else a
-    return [tuple(map(back, kv, lkv)) for kv, lkv in zip(moved, like)]
-
-
 def _copy_prompts(cache: list, prompt_cache: list, slots_K: jax.Array, prompts_K: jax.Array, count) -> list:
     """Prompt prompts_K[k]'s prefilled entries into the first P positions of slot slots_K[k], for k < count."""
     def one(k, cache):
         s, p = slots_K[k], prompts_K[k]
         put = lambda c, pc: jax.lax.dynamic_update_slice(c, jax.lax.dynamic_slice_in_dim(pc, p, 1, 0), (s, 0, 0, 0))
-        return [tuple(put(c, pc) for c, pc in zip(kv, pkv)) for kv, pkv in zip(cache, _bits(prompt_cache))]
-    return _unbits(jax.lax.fori_loop(0, count, one, _bits(cache)), cache)
+        return [tuple(put(c, pc) for c, pc in zip(kv, pkv)) for kv, pkv in zip(cache, prompt_cache)]
+    # a 16-bit cache is held as bits (model.BITS), so these copies move uint16, never a float32 copy on XLA:CPU
+    return jax.lax.fori_loop(0, count, one, cache)
 
 
 def _refill(pool: _Pool, done_N: jax.Array, out: _Out, prompt_cache: list, G: int) -> _Pool:
@@ -144,7 +133,7 @@ def _shrink(pool: _Pool, live_W: jax.Array, width: int, groups: int) -> _Pool:
             row = take(c_GxRxKxTxH, order_gxn[:, j])
             return jax.lax.dynamic_update_slice(c_GxRxKxTxH, row, (0, j, 0, 0, 0)).reshape(c.shape)
         return [tuple(map(one, kv)) for kv in cache]
-    cache = _unbits(jax.lax.fori_loop(0, n, move, _bits(pool.cache)), pool.cache)
+    cache = jax.lax.fori_loop(0, n, move, pool.cache)  # bits, like every copy of the cache (model.BITS)
     return pool._replace(row_S=pick(pool.row_S), pos_S=pick(pool.pos_S), last_S=pick(pool.last_S),
                          cache=constrain_cache(cache))
 
