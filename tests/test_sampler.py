@@ -1,3 +1,8 @@
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -363,7 +368,7 @@ def test_blocked_decode_attention_matches_softmax_and_skips_unwritten_blocks():
 
 
 BENCH_SMOKE = r"""
-import json, sys
+import json
 from sage_jax.bench import sampler as bench
 rows = bench.bench_sampler(presets=("tiny",), dtype="fp32", batch=4, prompt_len=8, new_tokens=8, repeats=1,
                            latency=False)
@@ -377,10 +382,6 @@ def test_bench_sampler_smoke():
     (CI exit 139; twice in compilation_cache's read, once in backend_compile_and_load with the persistent cache off);
     the same test alone passes."""
     pytest.importorskip("torch")
-    import json
-    import os
-    import subprocess
-    import sys
     from sage_jax.bench import sampler as bench
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
