@@ -4,7 +4,7 @@ One KV cache of S x (P + C) positions is allocated once. Rows (prompt x sample, 
 that starts in a slot copies its prompt's prefilled keys and values into that slot's row of the cache (one
 dynamic_update_slice per layer, never a copy of the whole cache), and when it stops (EOS or its own limit) the slot
 takes the next queued row at the next step. The loop ends when the queue is empty and every slot is idle. Once the
-queue is empty and the live slots fit a smaller width (stage_widths: S/2, S/4, S/8), they move into the first slots
+queue is empty and the live slots fit a narrower width (stage_widths: 3S/4, S/2, ... S/16), they move to the first slots
 of their shard, in the same cache, and the steps after compute only those rows (on CPU a step costs its rows).
 
 A row's cache layout, positions and keys do not depend on its slot or on when it runs: its prompt fills cache
@@ -75,15 +75,18 @@ def row_keys(key: jax.Array, steps_B: jax.Array, rows_B: jax.Array) -> jax.Array
 
 
 def stage_widths(slots: int, dp: int) -> tuple[int, ...]:
-    """The pool's widths, largest first: S, then those of S/2, S/4, S/8 that are whole multiples of dp with at
-    least 2 slots per data-parallel shard (>= 2 dp: with one slot per shard XLA:CPU held 2.3x the cache shard in
-    temporaries, against 1.15x, in test_one_kv_cache_in_memory). Once the queue is empty and the live slots fit the
-    next width (in every shard), they move into its slots and each step computes only those rows: on CPU a step
-    costs about the rows it computes. At most four widths, as each is one more decode loop body to compile."""
+    """The pool's widths, largest first: S, then S/2, S/4, S/8, S/16 and, where they are 24 slots or more, 3S/4
+    and 3S/8 (S = 64: 64, 48, 32, 24, 16, 8, 4, the compacting loop's widths), each a whole number, a multiple of dp
+    (data x fsdp) and at least 2 slots per data-parallel shard (>= 2 dp: with one slot per shard XLA:CPU held 2.3x
+    the cache shard in temporaries, against 1.15x, in test_one_kv_cache_in_memory). Once the queue is empty and the
+    live slots fit the next width (in every shard), they move into its slots and each step computes only those rows:
+    on CPU a step costs about the rows it computes. Each width is one more decode loop body to compile; the 3/4
+    widths are where a wide pool's idle slots cost the most (the long-tail benchmark, 64 rows: 12,872 row-steps
+    with halves down to S/8, 10,964 with these; docs/PERFORMANCE.md has the times)."""
     widths = [slots]
-    for k in (1, 2, 3):
-        width, rest = divmod(slots, 1 << k)
-        if not rest and width >= 2 * dp and width % dp == 0:
+    for num, den in ((3, 4), (1, 2), (3, 8), (1, 4), (1, 8), (1, 16)):
+        width, rest = divmod(num * slots, den)
+        if not rest and width >= 2 * dp and width % dp == 0 and (num == 1 or width >= 24):
             widths.append(width)
     return tuple(widths)
 

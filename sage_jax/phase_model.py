@@ -65,7 +65,7 @@ def decode_batches(lengths_N: np.ndarray, slots: int | None = None, stage_dp: in
     prefill) of the slot pool (sampler.generate, decode_pool.py): S = `slots` (default every row) slots compute at
     every step while any row is live, and a row that ends hands its slot to the next queued row.
     stage_dp > 0: the pool shrinks in stages (stage_widths(S, stage_dp)): once the queue is empty and the live rows
-    fit in the next width W/2, the following steps compute W/2 rows (down to the narrowest width holding them);
+    fit in a narrower width, the following steps compute the rows of the narrowest width holding them;
     0: no stages, S rows at every step."""
     lengths_N = np.asarray(lengths_N)
     S = len(lengths_N) if not slots else min(int(slots), len(lengths_N))

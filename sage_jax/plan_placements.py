@@ -22,7 +22,8 @@ def placements_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host-s", type=float, default=None, help="host seconds per step (default: "
                         "HOST_S_PER_ROLLOUT x rollouts / train.reward_workers)")
     parser.add_argument("--no-decode-stages", action="store_true", help="model a decode pool without its shrink "
-                        "stages (the sampler shrinks S, S/2, S/4, S/8 once the queue is empty: decode_pool.stage_widths)")
+                        "stages (once the queue is empty the sampler shrinks from S towards S/16: "
+                        "decode_pool.stage_widths)")
     args = parser.parse_args([a for a in argv if not a.startswith("--config.")])
     config = config_lib.load(args.config, [a for a in argv if a.startswith("--config.")])
     rows = plan_phases.placements_for(config, plan.resolve_model(config)[0], args.chip, args.chips, args.host_s,

@@ -7,9 +7,9 @@ from sage_jax import model, phase_model, workloads
 
 def test_stage_widths_keep_the_multiples_of_the_row_shards():
     from sage_jax import decode_pool
-    assert phase_model.stage_widths(64, 1) == [64, 32, 16, 8]
-    assert phase_model.stage_widths(64, 16) == [64, 32]  # at least 2 slots per row shard
-    assert phase_model.stage_widths(64, 24) == [64]
+    assert phase_model.stage_widths(64, 1) == [64, 48, 32, 24, 16, 8, 4]
+    assert phase_model.stage_widths(64, 16) == [64, 48, 32]  # at least 2 slots per row shard
+    assert phase_model.stage_widths(64, 24) == [64, 48]
     assert phase_model.stage_widths(4, 1) == [4, 2]  # 4 / 4 leaves 1 slot, 4 / 8 is no whole width
     assert phase_model.stage_widths(48, 8) == [48, 24]  # 12 and 6 are below 2 dp / not multiples of it
     for slots, dp in [(64, 1), (64, 8), (48, 8), (32, 4), (24, 3)]:  # the model's rule is the sampler's

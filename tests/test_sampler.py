@@ -298,7 +298,8 @@ def test_slot_pool_equals_static_batch_with_eos_and_sampling(params, kw):
 
 def test_stage_widths():
     from sage_jax.decode_pool import stage_widths
-    assert stage_widths(64, 1) == (64, 32, 16, 8)  # at most four widths
+    assert stage_widths(64, 1) == (64, 48, 32, 24, 16, 8, 4)  # the compacting loop's widths, down to S/16
+    assert stage_widths(32, 1) == (32, 24, 16, 8, 4, 2)  # 3/4 widths only from 24 slots up
     assert stage_widths(16, 4) == (16, 8)  # multiples of data x fsdp, at least 2 slots per shard
     assert stage_widths(8, 1) == (8, 4, 2)
     assert stage_widths(20, 1) == (20, 10, 5) and stage_widths(12, 4) == (12,) and stage_widths(3, 1) == (3,)
