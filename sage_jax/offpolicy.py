@@ -4,8 +4,9 @@ With train.off_policy_steps = k > 0, rl_step(t) is handed the batch the policy o
 step t's update it dispatches the generation of batch t + k with the policy of step t on a background thread; that
 thread also does the batch's host work (decoding, reward scoring in the worker pool), so the host work and (on a
 rollout sub-mesh) the sampling run while the devices train. JAX dispatch is thread-safe; the sampler samples from
-its own copy of the trained params (train_step donates the state's), or from the rollout sub-mesh's copy (split
-placement: one jax.device_put after each update, time/weight_sync). The first k steps of a run have no earlier
+its own copy of the trained params in the compute dtype (train_step donates the state's), or from the rollout
+sub-mesh's copy (split placement: one jax.device_put of the compute-dtype weights after each update,
+time/weight_sync). The first k steps of a run have no earlier
 batch and sample on the spot (rl/staleness < k); a batch older than k steps is never handed out.
 
 At a checkpoint the in-flight batch is finished and saved beside it (WORKDIR/offpolicy/batch_<step>.npz), so a
@@ -53,12 +54,16 @@ class TimedPool:
         return getattr(self.pool, name)
 
 
-def _own_copy(params, shared) -> Any:
-    """params with every leaf that is not one of `shared`'s (LoRA: the frozen base) copied on its devices, so a
-    later train_step that donates the state cannot free what the sampler still reads."""
-    keep = {id(x) for x in jax.tree.leaves(shared)}
+def _own_copy(cfg, params, shared) -> Any:
+    """params in the compute dtype (model.compute_params: new arrays where it casts), every other leaf that is not
+    one of `shared`'s (LoRA: the frozen base) copied on its devices, so a later train_step that donates the state
+    cannot free what the sampler still reads."""
+    from sage_jax import model as model_lib
+    cast = model_lib.compute_params(cfg, params)
+    keep = {id(x) for x in jax.tree.leaves(shared)} | ({id(x) for x in jax.tree.leaves(cast)}
+                                                       - {id(x) for x in jax.tree.leaves(params)})
     copy = jax.jit(jnp.copy)
-    return jax.tree.map(lambda x: x if id(x) in keep else copy(x), params)
+    return jax.tree.map(lambda x: x if id(x) in keep else copy(x), cast)
 
 
 def placement(ctx, rollout_mesh, rules, off_policy: bool) -> Callable[[Any], tuple[Any, dict[str, float]]]:
@@ -66,7 +71,7 @@ def placement(ctx, rollout_mesh, rules, off_policy: bool) -> Callable[[Any], tup
     (off-policy colocated), or a copy on the rollout sub-mesh (split; its time is time/weight_sync). With LoRA the
     frozen base is shared (colocated) or copied to the sub-mesh once; only the adapters move after each update."""
     if rollout_mesh is None:
-        return (lambda p: (_own_copy(p, ctx.base), {})) if off_policy else (lambda p: (p, {}))
+        return (lambda p: (_own_copy(ctx.cfg, p, ctx.base), {})) if off_policy else (lambda p: (p, {}))
     from sage_jax import lora
     from sage_jax import model as model_lib
     base_sh = model_lib.param_shardings(ctx.cfg, rollout_mesh, rules)
@@ -75,6 +80,7 @@ def placement(ctx, rollout_mesh, rules, off_policy: bool) -> Callable[[Any], tup
 
     def to_rollout_mesh(params):
         t0 = time.perf_counter()
+        params = model_lib.compute_params(ctx.cfg, params)  # what the sampler reads: half the bytes of float32
         if ctx.lora_cfg is None:
             placed = sharding.copy_to(params, base_sh)
         else:  # params = base with the (scaled) adapters on: move the adapters, keep the sub-mesh's base

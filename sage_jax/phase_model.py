@@ -4,9 +4,11 @@ beside roofline.py's compiled one), and of the step's placements: on-policy colo
 Each phase takes max(FLOPs / rate, bytes / bandwidth) (on a CPU their sum: Machine.overlap), summed over its calls
 (rate: the peak, or on a CPU the matmul rate measured at the phase's own shapes, by kind: dense layers, attention,
 unembedding):
-- prefill: every prompt once at its bucket; reads the weights once;
+- prefill: every prompt once at its bucket; reads the weights once, after casting them to the compute dtype
+  (sampler.generate: model.compute_params; one pass over the float32 weights);
 - decode: one step per generated position j at the slot pool's width (S slots compute while any row is live; with
-  issue 26's shrink stages, narrower once the queue is empty: decode_batches), each reading every weight once and,
+  issue 26's shrink stages, narrower once the queue is empty: decode_batches), each reading every weight once (in
+  the compute dtype) and,
   per row, the KV cache written so far (prompt + j slots), plus a measured fixed and per-row cost per step on a CPU;
   the tail of a long-tailed batch is a run of steps with a few live rows that still read every weight;
 - reference: one forward over the trainer's own loss layout (loss_layout: padded rows, or packed rows with their
@@ -97,12 +99,15 @@ def generation(cfg, prompts: int, prompt_len: int, lengths_N: np.ndarray, m: Mac
     if stage_dp is None:
         stage_dp = max(1, int(round(devices / tensor)))
     P = sampler.prompt_bucket(prompt_len)
-    D, V, w = cfg.hidden_size, cfg.vocab_size, _bytes(cfg.param_dtype)
+    D, V, w = cfg.hidden_size, cfg.vocab_size, _bytes(cfg.compute_dtype)
     per_layer, per_slot, kv = bench_flops.layer_params(cfg), bench_flops.attention_per_key(cfg), _kv_bytes_per_slot(cfg)
+    # the weights are read in the compute dtype (sampler.generate casts them once: model.compute_params)
     weights = cfg.num_params * w / tensor          # each data shard reads its tensor slice of every weight
     shards = max(1.0, devices / tensor)
+    pw = _bytes(cfg.param_dtype)
+    cast = cfg.num_params * (pw + w) / devices / m.bytes_per_s if pw > w else 0.0  # each device its shard
     prefill_f = prompts * (P * (2 * per_layer + per_slot * P) + 2 * D * V)
-    prefill = _both(prefill_f / (m.flops_per_s * devices), weights / m.bytes_per_s, m)
+    prefill = cast + _both(prefill_f / (m.flops_per_s * devices), weights / m.bytes_per_s, m)
     rows_J, live_J = decode_batches(lengths_N, slots, stage_dp)
     j = np.minimum(np.arange(1, len(rows_J) + 1), int(np.max(lengths_N)))  # a slot's position, at most its cache
     flops_J = rows_J * (2 * per_layer + 2 * D * V + per_slot * (P + j))
@@ -222,7 +227,7 @@ def placements(cfg, prompts: int, prompt_len: int, lengths_N: Sequence[int], m: 
                  "train_s": train(chips), "sync_s": 0.0, "host_s": host_s, "step_s": device_s + host_s})
     rows.append({"placement": "k=1 colocated", "n": chips, "generate_s": g_all, "tail_s": tail_all,
                  "train_s": train(chips), "sync_s": 0.0, "host_s": host_s, "step_s": max(device_s, host_s)})
-    weights = cfg.num_params * _bytes(cfg.param_dtype)
+    weights = cfg.num_params * _bytes(cfg.compute_dtype)  # the sampler's weights (offpolicy.placement casts first)
     for n in splits:
         g, tail = gen(n)
         tr = train(chips - n)

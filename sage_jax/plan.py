@@ -173,7 +173,8 @@ def compile_programs(cfg, config, mesh, rules, shapes, cache=None, programs=PROG
     lowerers = {
         "train_step": lambda: pp.lower_train_step(cfg, config, state, ref, tx, schedule,
                                                   pp.abstract_batch(config, shapes, shapes.update_rows, mesh)),
-        "sampler": lambda: pp.lower_sampler(cfg, config, pp.policy_params(config, state, ref), shapes, mesh),
+        "sampler": lambda: pp.lower_sampler(cfg, config, pp.rollout_params(cfg, pp.policy_params(config, state, ref)),
+                                            shapes, mesh),
         "ref_logprobs": lambda: pp.lower_ref_logprobs(cfg, config, ref, pp.abstract_batch(config, shapes, ref_rows,
                                                                                           mesh), shapes),
     }
@@ -225,7 +226,9 @@ def opt_bytes_if_sharded_like_params(opt_state, params) -> int:
 
 def analytic(cfg, config, mesh, rules, shapes) -> tuple[dict[str, int], list[str]]:
     from sage_jax import sharding
-    from sage_jax.plan_programs import abstract_batch, abstract_state, lora_config, tree_bytes
+    import jax
+    from sage_jax.plan_programs import abstract_batch, abstract_state, lora_config, policy_params, rollout_params, \
+        tree_bytes
     with sharding.use_rules(rules):
         state, ref, _, _ = abstract_state(cfg, config, mesh, rules)
     batch = abstract_batch(config, shapes, shapes.step_rows, mesh)
@@ -237,6 +240,13 @@ def analytic(cfg, config, mesh, rules, shapes) -> tuple[dict[str, int], list[str
         "kv_cache": kv, "prompt_caches": kv_cache_bytes(cfg, shapes, mesh, rules, shapes.sampler_prompts,
                                                         shapes.prompt_len)[0], "step_batch": tree_bytes(batch),
         "opt_state_if_sharded": opt_bytes_if_sharded_like_params(state["opt_state"], state["params"])}
+    # The sampler takes the policy's weights cast to the compute dtype (sampler.generate: model.compute_params);
+    # the originals of what it casts stay resident beside them.
+    policy = policy_params(config, state, ref)
+    rollout = rollout_params(cfg, policy)
+    out["rollout_params"] = tree_bytes(rollout)
+    cast = [(p, r) for p, r in zip(jax.tree.leaves(policy), jax.tree.leaves(rollout)) if p.dtype != r.dtype]
+    out["rollout_cast_from"], out["rollout_copy"] = tree_bytes([p for p, _ in cast]), tree_bytes([r for _, r in cast])
     # Parts of the step's batch that stay on device while the reference pass runs (tokens / mask are its inputs).
     out["batch_besides_ref_inputs"] = tree_bytes({k: v for k, v in batch.items() if k not in (
         "tokens", "mask", "ref_logp", "old_logp")})
@@ -305,14 +315,14 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
     # With LoRA every program takes the frozen base as an argument, so only full fine-tuning's reference copy and
     # what the program does not take count as resident beside it.
     resident = {"train_step": static["ref_params"] + (static["step_batch"] if config.optim.mini_batches > 1 else 0),
-                "sampler": static["opt_state"] + static["ref_params"],
+                "sampler": static["opt_state"] + static["ref_params"] + static["rollout_cast_from"],
                 "ref_logprobs": state + static["batch_besides_ref_inputs"]}
     oom = {k: p["oom"] for k, p in programs.items() if "oom" in p}
     if do_compile:
         phases = {k: p["peak"] + resident[k] for k, p in programs.items() if k not in oom}
     else:  # lower bounds: what must be resident, without any activations
         held = state + static["base_params"] + static["ref_params"]
-        phases = {"train_step": held + static["step_batch"], "sampler": held + static["kv_cache"],
+        phases = {"train_step": held + static["step_batch"], "sampler": held + static["kv_cache"] + static["rollout_copy"],
                   "ref_logprobs": held + static["step_batch"]}
     warnings += [f"{k}: XLA:TPU cannot fit it in HBM: {msg}" for k, msg in oom.items()]
     peak_phase = max(phases, key=phases.get) if phases else next(iter(oom))

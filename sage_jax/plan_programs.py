@@ -147,6 +147,14 @@ def policy_params(config, state, ref):
     return jax.tree_util.tree_map_with_path(attach, out)
 
 
+def rollout_params(cfg, policy):
+    """The weights the sampler takes: policy_params as model.compute_params casts them (float32 -> the compute
+    dtype, each leaf keeping its sharding), which sampler.generate does once per call."""
+    cdt = jnp.dtype(cfg.compute_dtype)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, cdt, sharding=s.sharding)
+                        if model_lib._narrows(cfg, s) else s, policy)
+
+
 def abstract_batch(config, shapes: Shapes, rows: int, mesh) -> dict[str, Any]:
     """The loss batch trainer.run_rl puts on the mesh (rows over data x fsdp)."""
     T, C = shapes.seq_len, shapes.completion_len
@@ -217,7 +225,7 @@ def rows_arg(shape, dtype, mesh, dp: int):
 
 
 def lower_sampler(cfg, config, params, shapes: Shapes, mesh, num_eos: int = 4):
-    """sampler.generate_program as sampler.generate calls it for one rollout batch."""
+    """sampler.generate_program as sampler.generate calls it for one rollout batch (params: rollout_params)."""
     arg = functools.partial(rows_arg, mesh=mesh, dp=shapes.dp)
     B, P, N, C = shapes.sampler_prompts, shapes.prompt_len, shapes.sampler_rows, shapes.new_bucket
     scalars = [arg((), d) for d in (jnp.int32, jnp.float32, jnp.float32, jnp.float32, jnp.int32)]
@@ -304,15 +312,16 @@ def cost_lowerers(cfg, config, mesh, rules, shapes: Shapes, state, ref, tx, sche
         return [(jax.ShapeDtypeStruct(shape, dt, sharding=sh),) * 2 for _ in range(cfg.num_layers)]
 
     policy = policy_params(config, state, ref)
+    rollout = rollout_params(cfg, policy)
     lowerers = {
         "train_step": lambda r: lower_train_step(cfg, config, state, ref, tx, schedule,
                                                  abstract_batch(config, shapes, r, mesh), grad_accum=1),
         "ref_logprobs": lambda r: lower_ref_logprobs(cfg, config, ref, abstract_batch(config, shapes, r, mesh), shapes),
-        "prefill": lambda r: prefill_program.lower(cfg, policy, arg((r, P), jnp.int32),
+        "prefill": lambda r: prefill_program.lower(cfg, rollout, arg((r, P), jnp.int32),
                                                    arg((r, P), jnp.bool_), num_samples=config.rollout.group_size,
                                                    new_bucket=shapes.new_bucket),
         "decode_step": lambda r: decode_step_program.lower(
-            cfg, sampler_plan(cfg, config, shapes, mesh), policy, arg((r,), jnp.int32), cache(r),
+            cfg, sampler_plan(cfg, config, shapes, mesh), rollout, arg((r,), jnp.int32), cache(r),
             arg((r, S), jnp.bool_), arg((), jnp.int32), f32, f32, f32, key),
     }
     if needs_old_logprobs(config):

@@ -23,7 +23,7 @@ def sampler_breakdown(r: dict[str, Any]) -> dict[str, Any] | None:
     p, a = r["programs"].get("sampler"), r["analytic"]
     if not p or "oom" in p:
         return None
-    weights = a["params"] + a["base_params"]  # with LoRA the base and the adapters: what the sampler takes
+    weights = a["rollout_params"]  # the policy's weights in the compute dtype (with LoRA the base and the adapters)
     kv, prompts = a["kv_cache"], a["prompt_caches"]
     bound = weights + SLOT_CACHE_SLACK * kv + prompts
     return {"peak": p["peak"], "weights": weights, "kv_cache": kv, "prompt_caches": prompts,

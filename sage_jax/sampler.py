@@ -146,6 +146,9 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
         rows += 1
     P, C = prompt_bucket(longest), new_tokens_bucket(max_new_tokens)
     N = rows * G
+    if mesh is not None and _mesh_of(params) != mesh:
+        params = model_lib.shard_params(params, mesh, cfg=cfg)
+    params = model_lib.compute_params(cfg, params)  # read at every decode step: once in the compute dtype
     S = _slot_count(slots, cfg, N, rows, P, C, mesh)
     tokens_BxP, mask_BxP = _left_pad(prompts, rows, P, pad_id)
     greedy = temperature == 0
@@ -158,8 +161,6 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     per_row = (np.full((N, C), pad_id, np.int32), np.zeros((N, C), np.float32),
                np.array(limits + [1] * (N - B * G), np.int32))  # filler rows start done whatever their limit
     if mesh is not None:
-        if _mesh_of(params) != mesh:
-            params = model_lib.shard_params(params, mesh, cfg=cfg)
         put = lambda x: jax.device_put(x, sharding_lib.data_sharding(mesh, x.ndim) if x.shape[0] % dp == 0
                                        else NamedSharding(mesh, PartitionSpec()))
         tokens_BxP, mask_BxP = put(tokens_BxP), put(mask_BxP)

@@ -33,17 +33,22 @@ def _fingerprint(params) -> float:
     return float(np.asarray(jax.tree.leaves(params)[0], np.float64).sum())
 
 
-def test_pipeline_hands_step_t_the_batch_of_step_t_minus_k_and_samples_from_its_own_copy():
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+def test_pipeline_hands_step_t_the_batch_of_step_t_minus_k_and_samples_from_its_own_copy(compute_dtype):
+    """(bfloat16: the sampler's own copy is the cast one, model.compute_params, and no second copy is made.)"""
+    from sage_jax import model
     release = threading.Event()
     seen = []
 
     def collect(params, step):
         if step > 0:
             release.wait(10)  # the trainer has donated the params by now
+        assert params.dtype == jnp.dtype(compute_dtype)
         seen.append((step, float(params[0])))
         return {"version": float(params[0])}, {}
     mesh = sharding.make_mesh((1, 1, 1), jax.devices()[:1])
-    place = offpolicy.placement(SimpleNamespace(base=None), None, {}, off_policy=True)
+    cfg = model.preset("tiny", compute_dtype=compute_dtype)
+    place = offpolicy.placement(SimpleNamespace(base=None, cfg=cfg), None, {}, off_policy=True)
     donate = jax.jit(lambda x: x + 1.0, donate_argnums=0)
     got = []
     with offpolicy.Pipeline(collect, 1, 4, mesh=mesh, rules={}, place=place) as pipe:

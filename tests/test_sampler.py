@@ -518,3 +518,32 @@ def test_bits_cache_decodes_exactly_like_a_bf16_cache():
         np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(k, jnp.uint16)), np.asarray(kb))
         np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(v, jnp.uint16)), np.asarray(vb))
     assert np.abs(np.asarray(kb)).sum() > 0  # something was written
+
+
+@pytest.mark.parametrize("variant", ["plain", "bias_qknorm_untied", "lora"])
+def test_rollout_weights_in_the_compute_dtype_sample_the_same_bits(variant, monkeypatch):
+    """generate casts float32 weights to a bf16 compute dtype once (model.compute_params) instead of at every use
+    inside the decode loop: the same tokens and log-probs, bit for bit, as the float32 weights give; the program
+    gets bf16 weights; leaves that do not narrow are the caller's own arrays (a LoRA base is not copied)."""
+    from sage_jax import lora
+    cfg = CFG.replace(compute_dtype="bfloat16")
+    if variant == "bias_qknorm_untied":
+        cfg = cfg.replace(qkv_bias=True, qk_norm=True, tie_embeddings=False)
+    p = _random_params(cfg, seed=5)
+    if variant == "lora":
+        lcfg = lora.LoraConfig(rank=4, alpha=8.0)
+        adapters = jax.tree.map(lambda a: a + 0.05, lora.init_adapters(cfg, lcfg, jax.random.key(1)))
+        base = jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)  # a bf16 base, as LoRA's frozen reference is
+        p = lora.apply(base, adapters, lcfg)
+    cast = model.compute_params(cfg, p)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(cast))
+    if variant == "lora":  # only the float32 adapters were cast: the base's arrays are passed through
+        assert cast["embed"] is p["embed"] and cast["layers"]["wq"] is p["layers"]["wq"]
+    assert model.compute_params(CFG, p) is p  # float32 compute: nothing to cast, no copy
+    kw = dict(max_new_tokens=24, temperature=0.9, top_p=0.9, num_samples=3, seed=7, eos_ids=(3,))
+    new = _np(sampler.generate(cfg, p, PROMPTS, **kw))
+    monkeypatch.setattr(model, "compute_params", lambda cfg, params: params)
+    old = _np(sampler.generate(cfg, p, PROMPTS, **kw))
+    for k in new:
+        np.testing.assert_array_equal(new[k], old[k], err_msg=k)
+    assert new["lengths"].min() < 24 or not new["finished"].any()
