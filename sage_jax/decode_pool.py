@@ -1,6 +1,7 @@
 """The sampler's program: prefill every prompt once, then one decode loop over a fixed pool of S slots.
 
-One KV cache of S x (P + C) positions is allocated once. Rows (prompt x sample, prompt-major) wait in a queue; a row
+One KV cache of S x (P + C) positions is allocated once. Rows (prompt x sample, prompt-major) wait in a queue (one
+per data-parallel shard where rows, prompts and slots split evenly: a shard's slots take its own rows); a row
 that starts in a slot copies its prompt's prefilled keys and values into that slot's row of the cache (one
 dynamic_update_slice per layer, never a copy of the whole cache), and when it stops (EOS or its own limit) the slot
 takes the next queued row at the next step. The loop ends when the queue is empty and every slot is idle. Once the
@@ -65,7 +66,7 @@ class _Pool(NamedTuple):
     pos_S: jax.Array
     last_S: jax.Array
     cache: list
-    next_row: jax.Array  # rows below it have had a slot (or stopped at their first token)
+    next_row: jax.Array  # [Q]: each queue group's rows below it have had a slot (or stopped at their first token)
     steps: jax.Array  # decode steps run, the prefill's token counted as the first
 
 
@@ -91,29 +92,61 @@ def stage_widths(slots: int, dp: int) -> tuple[int, ...]:
     return tuple(widths)
 
 
-def _copy_prompts(cache: list, prompt_cache: list, slots_K: jax.Array, prompts_K: jax.Array, count) -> list:
-    """Prompt prompts_K[k]'s prefilled entries into the first P positions of slot slots_K[k], for k < count."""
+def _copy_prompts(cache: list, prompt_cache: list, slots_QxK: jax.Array, prompts_QxK: jax.Array,
+                  count_Q: jax.Array) -> list:
+    """In each of Q queue groups q (the cache's and the prompt caches' rows split in Q equal blocks), prompt
+    prompts_QxK[q, k]'s prefilled entries into the first P positions of slot slots_QxK[q, k], for k < count_Q[q];
+    indices within the group. With Q = the data-parallel shards every copy stays on its device: XLA sees a copy
+    batched over the sharded group axis, where a traced index into the whole prompt cache made XLA:CPU hold every
+    prompt's cache on every device across the loop."""
+    Q = slots_QxK.shape[0]
+
     def one(k, cache):
-        s, p = slots_K[k], prompts_K[k]
-        put = lambda c, pc: jax.lax.dynamic_update_slice(c, jax.lax.dynamic_slice_in_dim(pc, p, 1, 0), (s, 0, 0, 0))
+        def put(c, pc):
+            def group(c1, pc1, s, p, live):
+                row = jax.lax.dynamic_slice_in_dim(pc1, p, 1, 0)
+                if Q > 1:  # groups that copied all theirs rewrite a slot's own entries
+                    row = jnp.where(live, row, jax.lax.dynamic_slice(c1, (s, 0, 0, 0), row.shape))
+                return jax.lax.dynamic_update_slice(c1, row, (s, 0, 0, 0))
+            if Q == 1:
+                return group(c, pc, slots_QxK[0, k], prompts_QxK[0, k], True)
+            c_Q, pc_Q = c.reshape(Q, -1, *c.shape[1:]), pc.reshape(Q, -1, *pc.shape[1:])
+            return jax.vmap(group)(c_Q, pc_Q, slots_QxK[:, k], prompts_QxK[:, k], k < count_Q).reshape(c.shape)
         return [tuple(put(c, pc) for c, pc in zip(kv, pkv)) for kv, pkv in zip(cache, prompt_cache)]
     # a 16-bit cache is held as bits (model.BITS), so these copies move uint16, never a float32 copy on XLA:CPU
-    return jax.lax.fori_loop(0, count, one, cache)
+    return jax.lax.fori_loop(0, jnp.max(count_Q), one, cache)
+
+
+def queue_groups(rows: int, prompts: int, slots: int, dp: int) -> int:
+    """How many queues the pool keeps: one per data-parallel shard where rows, prompts and slots split evenly over
+    the shards (a shard's slots then take only its own rows, whose prompts it holds), else one."""
+    return dp if dp > 1 and not (rows % dp or prompts % dp or slots % dp) else 1
+
+
+def _queued(pool: _Pool, done_N: jax.Array) -> jax.Array:
+    """[Q, N / Q]: which rows of each queue group still wait for a slot."""
+    Q = pool.next_row.shape[0]
+    rows_QxN = jnp.arange(done_N.shape[0], dtype=jnp.int32).reshape(Q, -1)
+    return (rows_QxN >= pool.next_row[:, None]) & ~done_N.reshape(Q, -1)
 
 
 def _refill(pool: _Pool, done_N: jax.Array, out: _Out, prompt_cache: list, G: int) -> _Pool:
-    """Every idle slot takes the next queued row that has not already stopped (at its first token), in row order."""
-    N, S = done_N.shape[0], pool.row_S.shape[0]
-    rows_N = jnp.arange(N, dtype=jnp.int32)
-    busy_S = (pool.row_S < N) & ~done_N[jnp.minimum(pool.row_S, N - 1)]
-    rank_N = jnp.cumsum((rows_N >= pool.next_row) & ~done_N, dtype=jnp.int32)  # 1-based rank among queued rows
-    want_S = jnp.where(busy_S, 0, jnp.cumsum(~busy_S, dtype=jnp.int32))  # 1-based rank among idle slots
-    pick_S = jnp.searchsorted(rank_N, want_S, side="left").astype(jnp.int32)  # the queued row of that rank
-    got_S = ~busy_S & (want_S <= rank_N[-1])
-    row_S = jnp.where(got_S, pick_S, jnp.where(busy_S, pool.row_S, N))
-    next_row = jnp.maximum(pool.next_row, jnp.max(jnp.where(got_S, pick_S + 1, 0)))
-    order_S = jnp.nonzero(got_S, size=S, fill_value=0)[0].astype(jnp.int32)  # the refilled slots first
-    cache = _copy_prompts(pool.cache, prompt_cache, order_S, row_S[order_S] // G, jnp.sum(got_S, dtype=jnp.int32))
+    """Every idle slot takes the next queued row of its queue group that has not already stopped (at its first
+    token), in row order; Q = pool.next_row's length groups, each S / Q slots taking from N / Q rows."""
+    N, S, Q = done_N.shape[0], pool.row_S.shape[0], pool.next_row.shape[0]
+    n, s = N // Q, S // Q
+    busy_QxS = ((pool.row_S < N) & ~done_N[jnp.minimum(pool.row_S, N - 1)]).reshape(Q, s)
+    rank_QxN = jnp.cumsum(_queued(pool, done_N), axis=1, dtype=jnp.int32)  # 1-based rank among queued rows
+    want_QxS = jnp.where(busy_QxS, 0, jnp.cumsum(~busy_QxS, axis=1, dtype=jnp.int32))  # 1-based rank, idle slots
+    local_QxS = jax.vmap(functools.partial(jnp.searchsorted, side="left"))(rank_QxN, want_QxS).astype(jnp.int32)
+    pick_QxS = local_QxS + n * jnp.arange(Q, dtype=jnp.int32)[:, None]  # the queued row of that rank
+    got_QxS = ~busy_QxS & (want_QxS <= rank_QxN[:, -1:])
+    row_QxS = jnp.where(got_QxS, pick_QxS, jnp.where(busy_QxS, pool.row_S.reshape(Q, s), N))
+    next_row = jnp.maximum(pool.next_row, jnp.max(jnp.where(got_QxS, pick_QxS + 1, 0), axis=1))
+    order_QxS = jax.vmap(lambda g: jnp.nonzero(g, size=s, fill_value=0)[0])(got_QxS).astype(jnp.int32)  # refilled first
+    prompt_QxS = jnp.take_along_axis(row_QxS, order_QxS, axis=1) // G - (n // G) * jnp.arange(Q)[:, None]
+    cache = _copy_prompts(pool.cache, prompt_cache, order_QxS, prompt_QxS, jnp.sum(got_QxS, axis=1, dtype=jnp.int32))
+    row_S, got_S = row_QxS.reshape(S), got_QxS.reshape(S)
     first_S = out.tokens_NxC[jnp.minimum(row_S, N - 1), 0]
     return pool._replace(row_S=row_S, pos_S=jnp.where(got_S, 1, pool.pos_S),
                          last_S=jnp.where(got_S, first_S, pool.last_S), cache=constrain_cache(cache),
@@ -205,8 +238,7 @@ def _decode(ctx: _Ctx, pool: _Pool, out: _Out, prompt_cache: list, widths: tuple
     """The decode loop, one while_loop per width: at the full width idle slots refill from the queue; once the
     queue is empty and every shard's live slots fit the next width, they move there (_shrink) and the loop goes on
     computing only those."""
-    N, G = ctx.limit_N.shape[0], ctx.limit_N.shape[0] // ctx.mask_BxP.shape[0]
-    rows_N = jnp.arange(N, dtype=jnp.int32)
+    G = ctx.limit_N.shape[0] // ctx.mask_BxP.shape[0]
     for level, width in enumerate(widths):
         if level:
             pool = _shrink(pool, _active(ctx, pool, out), width, ctx.groups)
@@ -217,7 +249,7 @@ def _decode(ctx: _Ctx, pool: _Pool, out: _Out, prompt_cache: list, widths: tuple
             live_W = _active(ctx, pool, out)
             go = jnp.any(live_W)
             if smaller:
-                queued = jnp.any((rows_N >= pool.next_row) & ~_done(ctx, out))
+                queued = jnp.any(_queued(pool, _done(ctx, out)))
                 fits = jnp.max(jnp.sum(live_W.reshape(ctx.groups, -1), axis=1)) <= smaller // ctx.groups
                 go &= queued | ~fits
             return go
@@ -263,7 +295,9 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
                   ctx.valid_N, tok_N, logp_N)
     cache = constrain_cache(model_lib.init_cache(cfg, S, P + C, bits))
     empty_S = jnp.full((S,), N, jnp.int32)
-    pool = _Pool(empty_S, jnp.ones((S,), jnp.int32), jnp.zeros((S,), jnp.int32), cache, jnp.int32(0), jnp.int32(1))
+    Q = queue_groups(N, B, S, dp)
+    pool = _Pool(empty_S, jnp.ones((S,), jnp.int32), jnp.zeros((S,), jnp.int32), cache, jnp.zeros((Q,), jnp.int32),
+                 jnp.int32(1))
     pool = _refill(pool, _done(ctx, out), out, prompt_cache, G)
     widths = plan.stages if plan.stages is not None else stage_widths(S, dp)
     pool, out = _decode(ctx, pool, out, prompt_cache, widths)

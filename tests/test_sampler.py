@@ -547,3 +547,32 @@ def test_rollout_weights_in_the_compute_dtype_sample_the_same_bits(variant, monk
     for k in new:
         np.testing.assert_array_equal(new[k], old[k], err_msg=k)
     assert new["lengths"].min() < 24 or not new["finished"].any()
+
+
+def test_each_shard_queues_its_own_rows(params, monkeypatch):
+    """On a data-parallel mesh each shard's slots take only its own rows (decode_pool.queue_groups), so a refill
+    copies a prompt's cache on its own device; the tokens equal one global queue's. (The memory this saves shows at
+    scale, not in a model this small: with one global queue XLA:CPU kept every prompt's cache on every device through
+    the loop, 1.88 GB per device for qwen7b_branch on 64 devices; docs/PERFORMANCE.md, session 9.)"""
+    from sage_jax import decode_pool
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (simulated) devices")
+    assert decode_pool.queue_groups(32, 16, 8, 4) == 4
+    assert decode_pool.queue_groups(12, 3, 4, 4) == 1 and decode_pool.queue_groups(16, 4, 8, 1) == 1  # uneven; 1 dp
+    real, groups = decode_pool.queue_groups, []
+    monkeypatch.setattr(decode_pool, "queue_groups", lambda *a: groups.append(real(*a)) or groups[-1])
+    mesh = sharding.make_mesh((1, 4, 2))  # rows over fsdp = 4, the 2 KV heads over 2
+    prompts = [[1 + (7 * i + j) % 60 for j in range(20 + i)] for i in range(8)]
+    limits = [1 + (13 * r) % 32 for r in range(32)]
+    run = lambda **kw: _np(sampler.generate(CFG, params, prompts, max_new_tokens=32, num_samples=4, eos_ids=(),
+                                            seed=3, row_max_new_tokens=limits, slots=8, **kw))
+    one_device = run()
+    per_shard = run(mesh=mesh)
+    monkeypatch.setattr(decode_pool, "queue_groups", lambda *a: groups.append(1) or 1)
+    sampler.generate_program.clear_cache()  # trace again: the same static arguments
+    one_queue = run(mesh=mesh)
+    sampler.generate_program.clear_cache()
+    assert groups == [1, 4, 1]
+    for got in (per_shard, one_queue):
+        _assert_same_outputs(got, one_device, steps=False)
+    np.testing.assert_array_equal(per_shard["lengths"], limits)
