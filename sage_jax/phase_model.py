@@ -12,7 +12,8 @@ unembedding):
   per row, the KV cache written so far (prompt + j slots), plus a measured fixed and per-row cost per step on a CPU;
   the tail of a long-tailed batch is a run of steps with a few live rows that still read every weight;
 - reference: one forward over the trainer's own loss layout (loss_layout: padded rows, or packed rows with their
-  padding, logits at every packed position and, on XLA:CPU, dense attention over the whole packed row);
+  padding, logits at every packed position and, on XLA:CPU, dense attention over the whole packed row), plus the
+  non-matmul work (pointwise_elements: norms, residuals, RoPE, the gated MLP's product, the loss head);
 - update: forward + backward (3x forward) plus what the backward recomputes (attention, logits chunks; everything
   with remat) and the optimizer's pass over the params and its two moments.
 Host work (rewards, tokenising) is the measured or given seconds. Collectives are not counted (assumed hidden).
@@ -154,6 +155,20 @@ def forward_flops(cfg, positions: float, logit_positions: float, keys: float) ->
             "unembed": logit_positions * 2 * cfg.hidden_size * cfg.vocab_size}
 
 
+def pointwise_elements(cfg, positions: float, logit_positions: float) -> float:
+    """Elements that one forward's non-matmul work reads and writes: per layer and position the two RMSNorms (read
+    and write D each), the two residual adds (read 2D, write D each), RoPE on q and k, SiLU(gate) x up (read 2I,
+    write I), the qkv bias and qk norm where the model has them; per logit position the loss head's log-softmax,
+    entropy and gather over the vocabulary (about 4V). Memory-bound work a matmul roofline does not count: on a TPU
+    it hides under the matmuls (the roofline's max), on a CPU it adds (Machine.overlap)."""
+    D, I, H = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    N, K = cfg.num_heads, cfg.num_kv_heads
+    per = 10 * D + 2 * (N + K) * H + 3 * I
+    per += 2 * (N + 2 * K) * H if cfg.qkv_bias else 0
+    per += 2 * (N + K) * H if cfg.qk_norm else 0
+    return positions * cfg.num_layers * per + logit_positions * 4 * cfg.vocab_size
+
+
 def _compute_s(flops: dict[str, float], m: Machine, devices: float, rates: dict[str, float] | None) -> float:
     """Seconds of FLOPs by kind, each at its measured rate (rates[kind]) or the machine's peak."""
     return sum(f / ((rates or {}).get(k, m.flops_per_s) * devices) for k, f in flops.items())
@@ -180,8 +195,18 @@ def training(cfg, prompt_len: int, lengths_N: np.ndarray, m: Machine, devices: f
     trained = cfg.num_params if trained_params is None else trained_params
     # Adam in fp32: read param, grad, 2 moments; write param, 2 moments
     opt_bytes = 7 * 4 * trained
-    ref = float(_both(f_s, w / (m.bytes_per_s * devices), m))
-    update = updates * float(_both(update_s, (3 * w + opt_bytes) / (m.bytes_per_s * devices), m))
+    # the non-matmul work, at its measured rate (elements/s: "pointwise", and "pointwise_update" for forward +
+    # backward) or as bytes at the memory bandwidth; the update's backward recomputes it once more (the checkpoint
+    # policy keeps only matmul outputs)
+    pw = pointwise_elements(cfg, lay["positions"], lay["logit_positions"]) / devices
+    if rates and "pointwise" in rates:
+        pw_ref = pw / rates["pointwise"]
+        pw_update = 3 * pw / rates.get("pointwise_update", rates["pointwise"] / 3) + pw_ref
+    else:
+        pw_ref = pw * _bytes(cfg.compute_dtype) / m.bytes_per_s
+        pw_update = 4 * pw_ref
+    ref = float(_both(f_s, w / (m.bytes_per_s * devices) + pw_ref, m))
+    update = updates * float(_both(update_s, (3 * w + opt_bytes) / (m.bytes_per_s * devices) + pw_update, m))
     return {"ref_s": ref, "update_s": update}
 
 

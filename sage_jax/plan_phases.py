@@ -62,12 +62,16 @@ def shaped_rates(cfg, rows: int, logit_rows: int, attn_rows: int, attn_len: int,
     phase_model.forward_flops kind: "dense", one layer's seven matmuls at [rows, hidden] (distinct weights: one
     scaled weight would let XLA factor the scale out); "unembed", [logit_rows, hidden] @ [hidden, vocab];
     "attention", attention as attention.naive runs it (scores, mask, softmax, mixing) over attn_rows rows of
-    attn_len positions; and each kind's forward + backward, "KIND_update" (update: False leaves them 0)."""
+    attn_len positions; "pointwise", one layer's non-matmul work at `rows` positions (norms, residuals, RoPE, the
+    gated product) in ELEMENTS/s (phase_model.pointwise_elements); and each kind's forward + backward, "KIND_update"
+    (update: False leaves them 0)."""
     import jax
     import jax.numpy as jnp
+    from sage_jax import model
+    from sage_jax import rope as rope_lib
     D, I, V, H = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
     N, K = cfg.num_heads, cfg.num_kv_heads
-    key = iter(jax.random.split(jax.random.key(0), 16))
+    key = iter(jax.random.split(jax.random.key(0), 32))
     normal = lambda *shape: jax.random.normal(next(key), shape, jnp.float32)
     shapes = [(D, N * H), (D, K * H), (D, K * H), (N * H, D), (D, I), (D, I), (I, D)]
     ws = [normal(i, o) for i, o in shapes]
@@ -83,6 +87,19 @@ def shaped_rates(cfg, rows: int, logit_rows: int, attn_rows: int, attn_len: int,
         scores = jnp.where(causal, jnp.einsum("bkqh,bksh->bkqs", q, k) / H ** 0.5, -1e30)
         return jnp.einsum("bkqs,bksh->bkqh", jax.nn.softmax(scores, axis=-1), v)
     kinds["attention"] = (attend, (q, k, v), 4.0 * attn_rows * N * attn_len * attn_len * H)
+    # the layer's non-matmul work (phase_model.pointwise_elements, one layer at `rows` positions), in elements/s
+    pos = jnp.arange(rows) % 256
+    inv_freq, scale = model.rope_frequencies(cfg)
+    norm_w = normal(D)
+
+    def pointwise(x, a, m, q, k, gate, up):
+        rope = lambda t: rope_lib.apply(t[None], pos[None], inv_freq, scale)[0]
+        x2 = x + a
+        return (model.rms_norm(x, norm_w, cfg.rms_norm_eps), rope(q), rope(k), model.rms_norm(x2, norm_w,
+                cfg.rms_norm_eps), jax.nn.silu(gate) * up, x2 + m)
+    pw_args = (x, normal(rows, D), normal(rows, D), normal(rows, N, H), normal(rows, K, H), xi, normal(rows, I))
+    kinds["pointwise"] = (pointwise, pw_args, float(phase_model.pointwise_elements(cfg.replace(
+        num_layers=1, qkv_bias=False, qk_norm=False), rows, 0)))
     out = {}
     for kind, (fn, args, flops) in kinds.items():
         out[kind], out[f"{kind}_update"] = _rates(fn, args, flops, repeats, backward=update)
@@ -205,7 +222,9 @@ def validate(presets: Sequence[str], workloads: Sequence[str], prompts: int, gro
             # the layers alone, measured, beside the predicted seconds of their matmuls (dense + attention)
             row.update(layer_seconds(cfg, params, prompt_len, lengths))
             f = phase_model.forward_flops(cfg, lay["positions"], lay["logit_positions"], lay["keys"])
-            row["pred_layers_fwd_s"] = f["dense"] / rates["dense"] + f["attention"] / rates["attention"]
+            layers_pw = phase_model.pointwise_elements(cfg, lay["positions"], 0)
+            row["pred_layers_fwd_s"] = f["dense"] / rates["dense"] + f["attention"] / rates["attention"] \
+                + layers_pw / rates["pointwise"]
             row["steps"] = measured
             rows.append(row)
     return machine, rows
@@ -222,9 +241,10 @@ def format_validation(machine: phase_model.Machine, rows: list[dict]) -> str:
               f"{r['dense_gflops_per_s']:.1f}, attention {r['attention_gflops_per_s']:.1f}, unembed "
               f"{r['unembed_gflops_per_s']:.1f}, decode {r['decode_gflops_per_s']:.1f}; forward + backward: "
               f"dense {r['dense_update_gflops_per_s']:.1f}, attention {r['attention_update_gflops_per_s']:.1f}, "
-              f"unembed {r['unembed_update_gflops_per_s']:.1f}; decode step "
+              f"unembed {r['unembed_update_gflops_per_s']:.1f}; pointwise {r['pointwise_gflops_per_s']:.2f} G elements/s "
+              f"(forward + backward {r['pointwise_update_gflops_per_s']:.2f}); decode step "
               f"+{r['decode_step_ms']:.2f} ms +{r['decode_row_ms']:.3f} ms/row; the layers alone MEASURED "
-              f"{r['layers_fwd_s']:.3f} s forward (their matmuls PREDICTED {r['pred_layers_fwd_s']:.3f} s), "
+              f"{r['layers_fwd_s']:.3f} s forward (PREDICTED {r['pred_layers_fwd_s']:.3f} s: matmuls and pointwise), "
               f"{r['layers_fwd_bwd_s']:.3f} s forward + backward)")
     lines.append("pred: PREDICTION (phase_model), meas: MEASURED median seconds, p/m: their ratio (target 0.75-1.25)")
     return "\n".join(lines)

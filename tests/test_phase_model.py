@@ -83,3 +83,35 @@ def test_a_cpu_adds_memory_to_compute():
     g = lambda m: phase_model.generation(cfg, 8, 32, lengths, m)["decode_s"]
     assert np.isclose(g(cpu), g(flops_only) + g(bytes_only))
     assert max(g(flops_only), g(bytes_only)) <= g(tpu) < g(cpu)
+
+
+def test_the_non_matmul_work_adds_on_a_cpu_and_hides_under_a_tpus_matmuls():
+    """phase_model.pointwise_elements: the norms, residuals, RoPE, gated product and the loss head; at a measured
+    rate (elements/s) on a CPU it adds to the pass (the update: forward + backward, and the recompute's forward);
+    on a TPU (the roofline's max) its bytes hide under compute-bound matmuls."""
+    cfg, lengths = model.preset("tiny", qkv_bias=False), workloads.longtail_lengths(64, 128)
+    lay = phase_model.loss_layout(32, lengths, packed=True)
+    D, I, H, N, K = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    pw = phase_model.pointwise_elements(cfg, lay["positions"], lay["logit_positions"])
+    assert pw == lay["positions"] * cfg.num_layers * (10 * D + 2 * (N + K) * H + 3 * I) \
+        + lay["logit_positions"] * 4 * cfg.vocab_size
+    cpu = phase_model.Machine(flops_per_s=1e11, bytes_per_s=1e30, overlap=False)
+    base = phase_model.training(cfg, 32, lengths, cpu, rates={"dense": 1e11})
+    slow = phase_model.training(cfg, 32, lengths, cpu, rates={"dense": 1e11, "pointwise": 1e9,
+                                                            "pointwise_update": 1.5e9})
+    assert np.isclose(slow["ref_s"] - base["ref_s"], pw / 1e9)
+    assert np.isclose(slow["update_s"] - base["update_s"], 3 * pw / 1.5e9 + pw / 1e9)
+    tpu = phase_model.Machine(flops_per_s=1e11, bytes_per_s=1e13)
+    flops_only = phase_model.Machine(flops_per_s=1e11, bytes_per_s=1e30)
+    assert phase_model.training(cfg, 32, lengths, tpu) == phase_model.training(cfg, 32, lengths, flops_only)
+
+
+def test_shaped_rates_measure_every_kind_the_model_prices():
+    """plan --chip cpu's micro-benchmarks (plan_phases.shaped_rates) run for a tiny model and give a positive rate
+    for each kind phase_model.training reads, the non-matmul work among them."""
+    from sage_jax import plan_phases
+    cfg = model.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                            intermediate_size=64)
+    rates = plan_phases.shaped_rates(cfg, rows=64, logit_rows=32, attn_rows=2, attn_len=16, repeats=1)
+    kinds = ("dense", "attention", "unembed", "pointwise")
+    assert all(rates[k] > 0 and rates[f"{k}_update"] > 0 for k in kinds), rates
