@@ -144,9 +144,10 @@ def test_bench_sampler_longtail_smoke(tmp_path):
     pytest.importorskip("torch")
     path = tmp_path / "sampler.json"
     cli.main(["sampler", "--workload", "longtail", "--preset", "tiny", "--batch", "8", "--group", "4",
-                "--prompt-len", "8", "--new-tokens", "40", "--repeats", "1", "--slots", "4", "--json", str(path)])
+                "--prompt-len", "8", "--new-tokens", "40", "--repeats", "1", "--slots", "4", "--schedule-ceiling",
+                "--json", str(path)])
     rows = json.loads(path.read_text())["modes"]["sampler"]
-    assert [r["impl"] for r in rows] == ["sage_jax", "transformers", "sage_jax_slots4"]
+    assert [r["impl"] for r in rows] == ["sage_jax", "transformers", "sage_jax_slots4", "schedule_ceiling"]
     lengths = workloads.longtail_lengths(8, 40)
     for r in rows:
         assert r["workload"] == "longtail" and r["tokens"] == lengths.sum() and r["len_max"] == 40
@@ -235,3 +236,21 @@ def test_user_error_exits_2_without_traceback():
                            "--no-trl"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --batch 6 rows must be a multiple of --group 4")
+
+
+def test_schedule_ceiling_prices_each_step_at_its_live_rows(monkeypatch):
+    """bench sampler --schedule-ceiling: from MEASURED static-batch step costs (here replaced by a known cost per
+    width), every step at its live rows (ideal_s) and at the pool's widths (pool_s, never below it)."""
+    from sage_jax import decode_pool, phase_model
+    from sage_jax.bench import sampler as bench_sampler
+    monkeypatch.setattr(bench_sampler.common, "interleaved_seconds",  # t(n steps at w rows) = n * (1 + w) ms
+                        lambda fns, repeats: {n: [n * (1 + len(fns[n]().tolist())) * 1e-3] for n in fns})
+    monkeypatch.setattr(bench_sampler.sampler_lib, "generate",
+                        lambda cfg, params, prompts, **kw: type("Out", (), {"lengths": np.zeros(len(prompts))})())
+    lengths = workloads.longtail_lengths(64, 128)
+    sc = bench_sampler.schedule_ceiling(model.preset("tiny"), None, 8, 128, lengths)
+    assert set(sc["step_ms"]) == {1, *decode_pool.stage_widths(64, 1)}
+    assert all(np.isclose(ms, 1 + w) for w, ms in sc["step_ms"].items())
+    rows_J, live_J = phase_model.decode_batches(lengths, None, stage_dp=1)
+    assert np.isclose(sc["ideal_s"], sum(1 + max(1, r) for r in live_J) * 1e-3)
+    assert np.isclose(sc["pool_s"], sum(1 + r for r in rows_J) * 1e-3) and sc["pool_s"] >= sc["ideal_s"]

@@ -83,6 +83,9 @@ def sampler_parser() -> argparse.ArgumentParser:
                         help="sampler: time this HF model directory (both sides load it) instead of the presets")
     parser.add_argument("--slots", default="", help="sampler: also time these numbers of decode slots, e.g. 32,16 "
                         "(the sage_jax row has one slot per row)")
+    parser.add_argument("--schedule-ceiling", action="store_true",
+                        help="sampler, long tail: add the decode time with every step at exactly its live rows, from "
+                        "static-batch step costs measured in the same run (a few minutes more)")
     _json_flag(parser)
     return parser
 

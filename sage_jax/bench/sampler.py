@@ -34,6 +34,7 @@ from sage_jax.bench.common import DTYPES, print_table
 MATMULS_ONLY = "matmuls_only"  # the sampler table's ceiling row: see decode_matmuls_fn
 ATTENTION_ONLY = "attention_only"  # the decode steps' cache attention alone: see decode_attention_fn
 MATMULS_ATTENTION = "matmuls+attention"  # the two rows' seconds added: the ceiling once attention is counted
+SCHEDULE_CEILING = "schedule_ceiling"  # long tail: every decode step at exactly its live rows (schedule_ceiling)
 
 HF_EOS = 1  # the EOS id transformers is forced to emit in the longtail workload (prompts may contain it: harmless)
 
@@ -165,17 +166,45 @@ def _models(presets, dtype: str, seed: int, model_dir: str | None):
             yield name, cfg, params, tmp
 
 
+def schedule_ceiling(cfg, params, prompt_len: int, new_tokens: int, lengths_N: np.ndarray, repeats: int = 2
+                     ) -> dict:
+    """MEASURED per-step seconds of static batches (W rows, every row to the same length; the difference between
+    two lengths per step, so the prefill cancels) at W = 1 and the pool's widths (decode_pool.stage_widths), and
+    from them, interpolated in W: "ideal_s", the decode of lengths_N with every step computing exactly its live
+    rows (a schedule no fixed set of widths beats, at this machine's cost per width), and "pool_s", the pool's own
+    widths (phase_model.decode_batches). Our sampler's time over ideal_s is what its schedule and loop leave."""
+    from sage_jax import decode_pool, phase_model
+    N = len(lengths_N)
+    widths = sorted({1, *decode_pool.stage_widths(N, 1)})
+    short, long = max(1, new_tokens // 16), max(2, 5 * new_tokens // 16)
+    rng = np.random.default_rng(1)
+    step_s = {}
+    for w in widths:
+        prompts = rng.integers(1, cfg.vocab_size, (w, prompt_len)).tolist()
+
+        def run(n):
+            return lambda: sampler_lib.generate(cfg, params, prompts, max_new_tokens=new_tokens, temperature=0.0,
+                                                eos_ids=(), row_max_new_tokens=[n] * w).lengths
+        t = {n: min(ts) for n, ts in common.interleaved_seconds({n: run(n) for n in (short, long)}, repeats).items()}
+        step_s[w] = max(0.0, (t[long] - t[short]) / (long - short))
+    rows_J, live_J = phase_model.decode_batches(lengths_N, None, stage_dp=1)
+    cost = lambda r: float(np.interp(r, widths, [step_s[w] for w in widths]))
+    return {"ideal_s": sum(cost(max(1, r)) for r in live_J), "pool_s": sum(cost(r) for r in rows_J),
+            "step_ms": {w: 1e3 * s for w, s in step_s.items()}}
+
+
 def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 64, prompt_len: int = 32,
                   new_tokens: int = 128, repeats: int = 3, latency: bool = True, seed: int = 0,
                   hf_threads: int | None = None, workload: str = "fixed", group: int = 1,
-                  slots: tuple[int, ...] = (), model_dir: str | None = None) -> list[dict]:
+                  slots: tuple[int, ...] = (), model_dir: str | None = None, ceiling: bool = False) -> list[dict]:
     """Rows of {preset, batch, impl, tokens_per_s, seconds, ...}; also prints a table with the ratios last.
 
     batch rows = batch / group prompts x group samples (transformers gets each prompt repeated group times). The
     fixed workload forces new_tokens on every row (EOS ignored) and adds the matmuls-only floor; longtail forces
     workloads.longtail_lengths on both sides. tokens = the tokens each side generated before EOS (last run).
     slots: also time this sampler with each of these numbers of decode slots (rows `sage_jax_slotsS`; the
-    sage_jax row has one slot per row)."""
+    sage_jax row has one slot per row). ceiling (long tail): add the schedule_ceiling row, the decode at exactly
+    each step's live rows from static-batch step costs measured in the same run (the prefill not counted)."""
     if batch % group:
         raise ValueError(f"--batch {batch} rows must be a multiple of --group {group} (rows = prompts x group)")
     rows = []
@@ -202,6 +231,13 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
             if workload == "fixed":
                 seconds[MATMULS_ATTENTION] = seconds[MATMULS_ONLY] + seconds[ATTENTION_ONLY]
             compiled = sampler_lib.compile_count() - compiled_before
+            if ceiling and workload != "fixed" and b == batch:
+                sc = schedule_ceiling(cfg, params, prompt_len, new_tokens, lengths)
+                seconds[SCHEDULE_CEILING] = sc["ideal_s"]
+                print(f"schedule ceiling ({name}, {b} rows): static-batch ms per decode step by rows "
+                      + ", ".join(f"{w}: {ms:.2f}" for w, ms in sc["step_ms"].items())
+                      + f"; every step at its live rows {sc['ideal_s']:.2f} s, at the pool's widths "
+                        f"{sc['pool_s']:.2f} s (decode only; MEASURED step costs, the schedules computed)")
             group_rows = []
             for impl, s in seconds.items():
                 made = sides[impl][1]["lengths"] if impl in sides else lengths
@@ -248,6 +284,8 @@ def _print_sampler_table(rows: list[dict]) -> None:
         by_key.setdefault((r["preset"], r["dtype"], r["workload"], r["batch"]), {})[r["impl"]] = r["tokens_per_s"]
     for (preset, dtype, workload, batch), v in by_key.items():
         ceiling = f" (ceiling {v[MATMULS_ONLY] / v['transformers']:.2f}x)" if MATMULS_ONLY in v else ""
+        if SCHEDULE_CEILING in v:
+            ceiling = f" (every step at its live rows: {v[SCHEDULE_CEILING] / v['transformers']:.2f}x)"
         print(f"  {preset:8} {dtype:5} {workload:8} batch {batch:>3}: {v['sage_jax'] / v['transformers']:.2f}x"
               + ceiling)
 
@@ -259,4 +297,5 @@ def sampler_mode(args) -> list[dict]:
     group = args.group or (8 if longtail else 1)
     return bench_sampler(presets, args.dtype, args.batch, args.prompt_len, new_tokens, args.repeats,
                          hf_threads=args.hf_threads, workload=args.workload, group=group,
-                         slots=tuple(int(n) for n in args.slots.split(",") if n), model_dir=args.model)
+                         slots=tuple(int(n) for n in args.slots.split(",") if n), model_dir=args.model,
+                         ceiling=args.schedule_ceiling)
