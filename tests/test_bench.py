@@ -243,14 +243,17 @@ def test_schedule_ceiling_prices_each_step_at_its_live_rows(monkeypatch):
     width), every step at its live rows (ideal_s) and at the pool's widths (pool_s, never below it)."""
     from sage_jax import decode_pool, phase_model
     from sage_jax.bench import sampler as bench_sampler
-    monkeypatch.setattr(bench_sampler.common, "interleaved_seconds",  # t(n steps at w rows) = n * (1 + w) ms
-                        lambda fns, repeats: {n: [n * (1 + len(fns[n]().tolist())) * 1e-3] for n in fns})
+    # t(n steps at w rows) = n (1 + w) ms + w n^2 / 2 us: a step at position j costs 1 + w + w j / 1000 ms (about)
+    monkeypatch.setattr(bench_sampler.common, "interleaved_seconds", lambda fns, repeats: {
+        n: [(n * (1 + len(fns[n]().tolist())) + len(fns[n]().tolist()) * n * n / 2e3) * 1e-3] for n in fns})
     monkeypatch.setattr(bench_sampler.sampler_lib, "generate",
                         lambda cfg, params, prompts, **kw: type("Out", (), {"lengths": np.zeros(len(prompts))})())
     lengths = workloads.longtail_lengths(64, 128)
     sc = bench_sampler.schedule_ceiling(model.preset("tiny"), None, 8, 128, lengths)
     assert set(sc["step_ms"]) == {1, *decode_pool.stage_widths(64, 1)}
-    assert all(np.isclose(ms, 1 + w) for w, ms in sc["step_ms"].items())
+    assert all(np.isclose(ms, 1 + w + w * 32 / 1e3, rtol=0.01) for w, ms in sc["step_ms"].items())  # at j = 32
     rows_J, live_J = phase_model.decode_batches(lengths, None, stage_dp=1)
-    assert np.isclose(sc["ideal_s"], sum(1 + max(1, r) for r in live_J) * 1e-3)
-    assert np.isclose(sc["pool_s"], sum(1 + r for r in rows_J) * 1e-3) and sc["pool_s"] >= sc["ideal_s"]
+    step = lambda r, j: 1 + r + r * j / 1e3
+    assert np.isclose(sc["ideal_s"], sum(step(max(1, r), j) for j, r in enumerate(live_J, 1)) * 1e-3, rtol=0.01)
+    assert np.isclose(sc["pool_s"], sum(step(r, j) for j, r in enumerate(rows_J, 1)) * 1e-3, rtol=0.01)
+    assert sc["pool_s"] >= sc["ideal_s"]

@@ -166,31 +166,37 @@ def _models(presets, dtype: str, seed: int, model_dir: str | None):
             yield name, cfg, params, tmp
 
 
-def schedule_ceiling(cfg, params, prompt_len: int, new_tokens: int, lengths_N: np.ndarray, repeats: int = 2
+def schedule_ceiling(cfg, params, prompt_len: int, new_tokens: int, lengths_N: np.ndarray, repeats: int = 1
                      ) -> dict:
-    """MEASURED per-step seconds of static batches (W rows, every row to the same length; the difference between
-    two lengths per step, so the prefill cancels) at W = 1 and the pool's widths (decode_pool.stage_widths), and
-    from them, interpolated in W: "ideal_s", the decode of lengths_N with every step computing exactly its live
-    rows (a schedule no fixed set of widths beats, at this machine's cost per width), and "pool_s", the pool's own
-    widths (phase_model.decode_batches). Our sampler's time over ideal_s is what its schedule and loop leave."""
+    """MEASURED seconds per decode step of static batches (W rows, every row to the same length) at W = 1 and the
+    pool's widths (decode_pool.stage_widths): at three lengths n/16 < n/4 < n/2, the two differences give a step's
+    cost at W rows as a + b j at position j (the cache it reads grows with j; the prefill cancels). From them,
+    interpolated in W: "ideal_s", the decode of lengths_N with every step j computing exactly its live rows (a
+    schedule no fixed set of widths beats, at this machine's costs), and "pool_s", the pool's own widths
+    (phase_model.decode_batches). Our sampler's time over ideal_s is what its schedule and its loop leave."""
     from sage_jax import decode_pool, phase_model
     N = len(lengths_N)
     widths = sorted({1, *decode_pool.stage_widths(N, 1)})
-    short, long = max(1, new_tokens // 16), max(2, 5 * new_tokens // 16)
+    L0, L1, L2 = max(1, new_tokens // 16), max(2, new_tokens // 4), max(3, new_tokens // 2)
     rng = np.random.default_rng(1)
-    step_s = {}
+    a, b = {}, {}
     for w in widths:
         prompts = rng.integers(1, cfg.vocab_size, (w, prompt_len)).tolist()
 
         def run(n):
             return lambda: sampler_lib.generate(cfg, params, prompts, max_new_tokens=new_tokens, temperature=0.0,
                                                 eos_ids=(), row_max_new_tokens=[n] * w).lengths
-        t = {n: min(ts) for n, ts in common.interleaved_seconds({n: run(n) for n in (short, long)}, repeats).items()}
-        step_s[w] = max(0.0, (t[long] - t[short]) / (long - short))
+        t = {n: min(ts) for n, ts in common.interleaved_seconds({n: run(n) for n in (L0, L1, L2)}, repeats).items()}
+        d1, d2 = (t[L1] - t[L0]) / (L1 - L0), (t[L2] - t[L1]) / (L2 - L1)  # at positions (L0+L1)/2, (L1+L2)/2
+        b[w] = max(0.0, (d2 - d1) / ((L2 - L0) / 2))
+        a[w] = max(0.0, d1 - b[w] * (L0 + L1) / 2)
     rows_J, live_J = phase_model.decode_batches(lengths_N, None, stage_dp=1)
-    cost = lambda r: float(np.interp(r, widths, [step_s[w] for w in widths]))
-    return {"ideal_s": sum(cost(max(1, r)) for r in live_J), "pool_s": sum(cost(r) for r in rows_J),
-            "step_ms": {w: 1e3 * s for w, s in step_s.items()}}
+
+    def cost(r, j):
+        return float(np.interp(r, widths, [a[w] + b[w] * j for w in widths]))
+    return {"ideal_s": sum(cost(max(1, r), j) for j, r in enumerate(live_J, 1)),
+            "pool_s": sum(cost(r, j) for j, r in enumerate(rows_J, 1)),
+            "step_ms": {w: 1e3 * (a[w] + b[w] * new_tokens / 4) for w in widths}}
 
 
 def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 64, prompt_len: int = 32,
@@ -234,7 +240,7 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
             if ceiling and workload != "fixed" and b == batch:
                 sc = schedule_ceiling(cfg, params, prompt_len, new_tokens, lengths)
                 seconds[SCHEDULE_CEILING] = sc["ideal_s"]
-                print(f"schedule ceiling ({name}, {b} rows): static-batch ms per decode step by rows "
+                print(f"schedule ceiling ({name}, {b} rows): static-batch ms per decode step at position n/4 by rows "
                       + ", ".join(f"{w}: {ms:.2f}" for w, ms in sc["step_ms"].items())
                       + f"; every step at its live rows {sc['ideal_s']:.2f} s, at the pool's widths "
                         f"{sc['pool_s']:.2f} s (decode only; MEASURED step costs, the schedules computed)")
