@@ -18,8 +18,8 @@ from sage_jax import attention as attention_lib
 from sage_jax.sharding import constrain
 
 # re-exported: model.ModelConfig, model.preset, model.init_params, ... are the public names
-from sage_jax.model_config import (PRESETS, ModelConfig, Params, init_params, param_axes,  # noqa: F401
-                                   param_shapes, param_shardings, preset, shard_params)
+from sage_jax.model_config import (PRESETS, ModelConfig, Params, compute_params, init_params,  # noqa: F401
+                                   param_axes, param_shapes, param_shardings, preset, shard_params)
 
 # --------------------------------------------------------------------------------------------------- building blocks
 
@@ -359,36 +359,6 @@ def _layer_list(cfg: ModelConfig, layers) -> list[Params]:
     if isinstance(layers, (list, tuple)):
         return list(layers)
     return [jax.tree.map(lambda a: a[i], layers) for i in range(cfg.num_layers)]
-
-
-def _narrows(cfg: ModelConfig, x) -> bool:
-    """Whether compute_params casts this leaf: a float array (not a scalar, e.g. a LoRA dropout's keep probability)
-    wider than the compute dtype."""
-    cdt = jnp.dtype(cfg.compute_dtype)
-    return (jnp.issubdtype(x.dtype, jnp.floating) and getattr(x, "ndim", 0) >= 1
-            and jnp.dtype(x.dtype).itemsize > cdt.itemsize)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _cast(leaves: list, dtype) -> list:
-    return [x.astype(dtype) for x in leaves]
-
-
-def compute_params(cfg: ModelConfig, params: Params) -> Params:
-    """params as the forward uses them: float arrays wider than the compute dtype cast to it (float32 master
-    weights -> bfloat16 for sampling), every other leaf the same array (not copied); params itself when nothing
-    narrows.
-
-    Exact: every use of a weight in this module casts it to the compute dtype first (_project, rms_norm, the
-    embedding and the unembedding), so the forward computes the same bits either way. A decode loop reads its
-    weights at every step: cast once, it reads half the bytes of float32 weights, and XLA keeps no converted copy
-    of them inside the loop. The copy is the caller's to hold beside the float32 weights (the plan counts it)."""
-    leaves, tree = jax.tree.flatten(params)
-    narrow = [i for i, x in enumerate(leaves) if _narrows(cfg, x)]
-    if not narrow:
-        return params
-    cast = dict(zip(narrow, _cast([leaves[i] for i in narrow], jnp.dtype(cfg.compute_dtype))))
-    return jax.tree.unflatten(tree, [cast.get(i, x) for i, x in enumerate(leaves)])
 
 
 def unstack_layers(cfg: ModelConfig, params: Params) -> Params:

@@ -7,6 +7,7 @@ without importing the model that imports them (model.load_hf / save_hf).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -165,3 +166,33 @@ def shard_params(params: Params, mesh, rules=None, cfg: ModelConfig | None = Non
     if cfg is None:
         raise ValueError("shard_params needs the ModelConfig (cfg=...) to look up logical axes")
     return jax.tree.map(jax.device_put, params, sharding.tree_shardings(params, param_axes(cfg), mesh, rules))
+
+
+def narrows_to_compute(cfg: ModelConfig, x) -> bool:
+    """Whether compute_params casts this leaf: a float array (not a scalar, e.g. a LoRA dropout's keep probability)
+    wider than the compute dtype."""
+    cdt = jnp.dtype(cfg.compute_dtype)
+    return (jnp.issubdtype(x.dtype, jnp.floating) and getattr(x, "ndim", 0) >= 1
+            and jnp.dtype(x.dtype).itemsize > cdt.itemsize)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast(leaves: list, dtype) -> list:
+    return [x.astype(dtype) for x in leaves]
+
+
+def compute_params(cfg: ModelConfig, params: Params) -> Params:
+    """params as the forward uses them: float arrays wider than the compute dtype cast to it (float32 master
+    weights -> bfloat16 for sampling), every other leaf the same array (not copied); params itself when nothing
+    narrows.
+
+    Exact: every use of a weight in sage_jax.model casts it to the compute dtype first (_project, rms_norm, the
+    embedding and the unembedding), so the forward computes the same bits either way. A decode loop reads its
+    weights at every step: cast once, it reads half the bytes of float32 weights, and XLA keeps no converted copy
+    of them inside the loop. The copy is the caller's to hold beside the float32 weights (the plan counts it)."""
+    leaves, tree = jax.tree.flatten(params)
+    narrow = [i for i, x in enumerate(leaves) if narrows_to_compute(cfg, x)]
+    if not narrow:
+        return params
+    cast = dict(zip(narrow, _cast([leaves[i] for i in narrow], jnp.dtype(cfg.compute_dtype))))
+    return jax.tree.unflatten(tree, [cast.get(i, x) for i, x in enumerate(leaves)])

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sage_jax import lora, model as model_lib, objectives, sampler, sharding, train_state, trainer
+from sage_jax import lora, model as model_lib, model_config, objectives, sampler, sharding, train_state, trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +152,7 @@ def rollout_params(cfg, policy):
     dtype, each leaf keeping its sharding), which sampler.generate does once per call."""
     cdt = jnp.dtype(cfg.compute_dtype)
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, cdt, sharding=s.sharding)
-                        if model_lib._narrows(cfg, s) else s, policy)
+                        if model_config.narrows_to_compute(cfg, s) else s, policy)
 
 
 def abstract_batch(config, shapes: Shapes, rows: int, mesh) -> dict[str, Any]:
