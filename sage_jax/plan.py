@@ -322,7 +322,8 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
         phases = {k: p["peak"] + resident[k] for k, p in programs.items() if k not in oom}
     else:  # lower bounds: what must be resident, without any activations
         held = state + static["base_params"] + static["ref_params"]
-        phases = {"train_step": held + static["step_batch"], "sampler": held + static["kv_cache"] + static["rollout_copy"],
+        phases = {"train_step": held + static["step_batch"],
+                  "sampler": held + static["kv_cache"] + static["rollout_copy"],
                   "ref_logprobs": held + static["step_batch"]}
     warnings += [f"{k}: XLA:TPU cannot fit it in HBM: {msg}" for k, msg in oom.items()]
     peak_phase = max(phases, key=phases.get) if phases else next(iter(oom))

@@ -241,8 +241,8 @@ def format_validation(machine: phase_model.Machine, rows: list[dict]) -> str:
               f"{r['dense_gflops_per_s']:.1f}, attention {r['attention_gflops_per_s']:.1f}, unembed "
               f"{r['unembed_gflops_per_s']:.1f}, decode {r['decode_gflops_per_s']:.1f}; forward + backward: "
               f"dense {r['dense_update_gflops_per_s']:.1f}, attention {r['attention_update_gflops_per_s']:.1f}, "
-              f"unembed {r['unembed_update_gflops_per_s']:.1f}; pointwise {r['pointwise_gflops_per_s']:.2f} G elements/s "
-              f"(forward + backward {r['pointwise_update_gflops_per_s']:.2f}); decode step "
+              f"unembed {r['unembed_update_gflops_per_s']:.1f}; pointwise {r['pointwise_gflops_per_s']:.2f} G "
+              f"elements/s (forward + backward {r['pointwise_update_gflops_per_s']:.2f}); decode step "
               f"+{r['decode_step_ms']:.2f} ms +{r['decode_row_ms']:.3f} ms/row; the layers alone MEASURED "
               f"{r['layers_fwd_s']:.3f} s forward (PREDICTED {r['pred_layers_fwd_s']:.3f} s: matmuls and pointwise), "
               f"{r['layers_fwd_bwd_s']:.3f} s forward + backward)")
