@@ -6,8 +6,8 @@ thread also does the batch's host work (decoding, reward scoring in the worker p
 rollout sub-mesh) the sampling run while the devices train. JAX dispatch is thread-safe; the sampler samples from
 its own copy of the trained params in the compute dtype (train_step donates the state's), or from the rollout
 sub-mesh's copy (split placement: one jax.device_put of the compute-dtype weights after each update,
-time/weight_sync). The first k steps of a run have no earlier
-batch and sample on the spot (rl/staleness < k); a batch older than k steps is never handed out.
+time/weight_sync). The first k steps of a run have no earlier batch and sample on the spot (rl/staleness < k); a
+batch older than k steps is never handed out.
 
 At a checkpoint the in-flight batch is finished and saved beside it (WORKDIR/offpolicy/batch_<step>.npz), so a
 resumed run trains on the very batch the uninterrupted one would have. k = 0 calls collect in place, as before.

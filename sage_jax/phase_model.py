@@ -8,8 +8,8 @@ unembedding):
   (sampler.generate: model.compute_params; one pass over the float32 weights);
 - decode: one step per generated position j at the slot pool's width (S slots compute while any row is live; with
   issue 26's shrink stages, narrower once the queue is empty: decode_batches), each reading every weight once (in
-  the compute dtype) and,
-  per row, the KV cache written so far (prompt + j slots), plus a measured fixed and per-row cost per step on a CPU;
+  the compute dtype) and, per row, the KV cache written so far (prompt + j slots), plus a measured fixed and
+  per-row cost per step on a CPU;
   the tail of a long-tailed batch is a run of steps with a few live rows that still read every weight;
 - reference: one forward over the trainer's own loss layout (loss_layout: padded rows, or packed rows with their
   padding, logits at every packed position and, on XLA:CPU, dense attention over the whole packed row), plus the
