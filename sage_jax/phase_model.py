@@ -201,7 +201,7 @@ def training(cfg, prompt_len: int, lengths_N: np.ndarray, m: Machine, devices: f
     pw = pointwise_elements(cfg, lay["positions"], lay["logit_positions"]) / devices
     if rates and "pointwise" in rates:
         pw_ref = pw / rates["pointwise"]
-        pw_update = 3 * pw / rates.get("pointwise_update", rates["pointwise"] / 3) + pw_ref
+        pw_update = 3 * pw / (rates.get("pointwise_update") or rates["pointwise"]) + pw_ref  # as update_rates
     else:
         pw_ref = pw * _bytes(cfg.compute_dtype) / m.bytes_per_s
         pw_update = 4 * pw_ref
