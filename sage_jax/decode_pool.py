@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from sage_jax import kv_cache
 from sage_jax import model as model_lib
 from sage_jax import sharding as sharding_lib
 from sage_jax.model import ModelConfig, Params
@@ -45,9 +46,11 @@ class SamplerPlan:
     stages: tuple[int, ...] | None = None  # the pool's widths (None: stage_widths(slots, data x fsdp))
 
 
-def constrain_cache(cache: list) -> list:
-    """The KV cache's layers annotated with its logical axes."""
-    return [tuple(sharding_lib.constrain(c, model_lib.cache_axes()) for c in kv) for kv in cache]
+def constrain_cache(cache):
+    """A KV cache (stacked: a (k, v) pair; or a list of per-layer pairs) annotated with its logical axes."""
+    if isinstance(cache, list):
+        return [tuple(sharding_lib.constrain(c, kv_cache.cache_axes()) for c in kv) for kv in cache]
+    return tuple(sharding_lib.constrain(c, kv_cache.cache_axes(stacked=True)) for c in cache)
 
 
 class _Out(NamedTuple):
@@ -92,27 +95,29 @@ def stage_widths(slots: int, dp: int) -> tuple[int, ...]:
     return tuple(widths)
 
 
-def _copy_prompts(cache: list, prompt_cache: list, slots_QxK: jax.Array, prompts_QxK: jax.Array,
-                  count_Q: jax.Array) -> list:
+def _copy_prompts(cache: tuple, prompt_cache: tuple, slots_QxK: jax.Array, prompts_QxK: jax.Array,
+                  count_Q: jax.Array) -> tuple:
     """In each of Q queue groups q (the cache's and the prompt caches' rows split in Q equal blocks), prompt
-    prompts_QxK[q, k]'s prefilled entries into the first P positions of slot slots_QxK[q, k], for k < count_Q[q];
-    indices within the group. With Q = the data-parallel shards every copy stays on its device: XLA sees a copy
-    batched over the sharded group axis, where a traced index into the whole prompt cache made XLA:CPU hold every
-    prompt's cache on every device across the loop."""
+    prompts_QxK[q, k]'s prefilled entries (every layer's) into the first P positions of slot slots_QxK[q, k], for
+    k < count_Q[q]; indices within the group. With Q = the data-parallel shards every copy stays on its device: XLA
+    sees a copy batched over the sharded group axis, where a traced index into the whole prompt cache made XLA:CPU
+    hold every prompt's cache on every device across the loop."""
     Q = slots_QxK.shape[0]
 
     def one(k, cache):
-        def put(c, pc):
+        def put(c_RxLxKxTxH, pc_BxLxKxPxH):
             def group(c1, pc1, s, p, live):
                 row = jax.lax.dynamic_slice_in_dim(pc1, p, 1, 0)
                 if Q > 1:  # groups that copied all theirs rewrite a slot's own entries
-                    row = jnp.where(live, row, jax.lax.dynamic_slice(c1, (s, 0, 0, 0), row.shape))
-                return jax.lax.dynamic_update_slice(c1, row, (s, 0, 0, 0))
+                    row = jnp.where(live, row, jax.lax.dynamic_slice(c1, (s, 0, 0, 0, 0), row.shape))
+                return jax.lax.dynamic_update_slice(c1, row, (s, 0, 0, 0, 0))
             if Q == 1:
-                return group(c, pc, slots_QxK[0, k], prompts_QxK[0, k], True)
-            c_Q, pc_Q = c.reshape(Q, -1, *c.shape[1:]), pc.reshape(Q, -1, *pc.shape[1:])
-            return jax.vmap(group)(c_Q, pc_Q, slots_QxK[:, k], prompts_QxK[:, k], k < count_Q).reshape(c.shape)
-        return [tuple(put(c, pc) for c, pc in zip(kv, pkv)) for kv, pkv in zip(cache, prompt_cache)]
+                return group(c_RxLxKxTxH, pc_BxLxKxPxH, slots_QxK[0, k], prompts_QxK[0, k], True)
+            split = lambda a: a.reshape(Q, -1, *a.shape[1:])
+            out = jax.vmap(group)(split(c_RxLxKxTxH), split(pc_BxLxKxPxH), slots_QxK[:, k], prompts_QxK[:, k],
+                                  k < count_Q)
+            return out.reshape(c_RxLxKxTxH.shape)
+        return tuple(put(c, pc) for c, pc in zip(cache, prompt_cache))
     # a 16-bit cache is held as bits (model.BITS), so these copies move uint16, never a float32 copy on XLA:CPU
     return jax.lax.fori_loop(0, jnp.max(count_Q), one, cache)
 
@@ -157,18 +162,18 @@ def _shrink(pool: _Pool, live_W: jax.Array, width: int, groups: int) -> _Pool:
     """The live slots of a pool of W into the first `width` (live first, in slot order), inside each of `groups`
     equal slot groups (the data-parallel shards: no row leaves its shard), moved within the one cache: slot j of a
     group takes its j-th live slot, whose index is >= j, so no slot is overwritten before it has moved."""
-    W, R = live_W.shape[0], pool.cache[0][0].shape[0]
+    W, R = live_W.shape[0], pool.cache[0].shape[0]
     m, n = W // groups, width // groups
     order_gxn = jnp.argsort(~live_W.reshape(groups, m), axis=1, stable=True)[:, :n].astype(jnp.int32)
     pick = lambda a: jnp.take_along_axis(a.reshape(groups, m), order_gxn, axis=1).reshape(width)
-    take = jax.vmap(lambda c, s: jax.lax.dynamic_index_in_dim(c, s, 0))  # one row of each group
+    take = jax.vmap(lambda c, s: jax.lax.dynamic_index_in_dim(c, s, 0))  # one row of each group (all its layers)
 
     def move(j, cache):
         def one(c):
-            c_GxRxKxTxH = c.reshape(groups, R // groups, *c.shape[1:])
-            row = take(c_GxRxKxTxH, order_gxn[:, j])
-            return jax.lax.dynamic_update_slice(c_GxRxKxTxH, row, (0, j, 0, 0, 0)).reshape(c.shape)
-        return [tuple(map(one, kv)) for kv in cache]
+            c_GxRxLxKxTxH = c.reshape(groups, R // groups, *c.shape[1:])
+            row = take(c_GxRxLxKxTxH, order_gxn[:, j])
+            return jax.lax.dynamic_update_slice(c_GxRxLxKxTxH, row, (0, j, 0, 0, 0, 0)).reshape(c.shape)
+        return tuple(map(one, cache))
     cache = jax.lax.fori_loop(0, n, move, pool.cache)  # bits, like every copy of the cache (model.BITS)
     return pool._replace(row_S=pick(pool.row_S), pos_S=pick(pool.pos_S), last_S=pick(pool.last_S),
                          cache=constrain_cache(cache))
@@ -277,10 +282,8 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
                                top_p=top_p if plan.use_top_p else None, min_p=min_p if plan.use_min_p else None)
 
     mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
-    bits = model_lib.BITS if jnp.dtype(cfg.compute_dtype).itemsize == 2 else None  # the caches as bits: never
-    prompt_cache = constrain_cache(model_lib.init_cache(cfg, B, P, bits))  # converted whole (model.BITS)
-    h_BxPxD, prompt_cache = model_lib.forward_with_cache(cfg, params, prompt_BxP, model_lib.default_positions(mask_BxP),
-                                                         prompt_cache, 0, mask_BxP, return_hidden=True)
+    bits = kv_cache.BITS if jnp.dtype(cfg.compute_dtype).itemsize == 2 else None  # the caches as bits: never
+    h_BxPxD, prompt_cache = model_lib.prefill(cfg, params, prompt_BxP, mask_BxP, bits)  # converted whole (BITS)
     prompt_cache = constrain_cache(prompt_cache)
     logits_NxV = jnp.repeat(model_lib.logits_from_hidden(cfg, params, h_BxPxD[:, -1:])[:, 0], G, axis=0)
     rows_N = jnp.arange(N, dtype=jnp.int32)
@@ -293,7 +296,7 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
     tok_N, logp_N = sample(logits_NxV, row_keys(key, zeros_N, rows_N))
     out = _record(ctx, _Out(tokens_NxC, logp_NxC, zeros_N, jnp.zeros((N,), jnp.bool_)), rows_N, zeros_N,
                   ctx.valid_N, tok_N, logp_N)
-    cache = constrain_cache(model_lib.init_cache(cfg, S, P + C, bits))
+    cache = constrain_cache(kv_cache.init_cache(cfg, S, P + C, bits, stacked=True))
     empty_S = jnp.full((S,), N, jnp.int32)
     Q = queue_groups(N, B, S, dp)
     pool = _Pool(empty_S, jnp.ones((S,), jnp.int32), jnp.zeros((S,), jnp.int32), cache, jnp.zeros((Q,), jnp.int32),

@@ -1,8 +1,9 @@
 """Qwen2 / Qwen3 / Llama decoder as pure functions over a params pytree.
 
 Layers are stacked along a leading axis. Training forwards scan over them (one compiled layer, checkpointed: see
-`hidden`); the KV-cache path loops in Python so each layer's cache is updated in place. Dtype policy: params in
-`param_dtype`, matmuls in `compute_dtype`, norms / softmax / logits in fp32.
+`hidden`); so does the prompts' prefill, and the sampler's decode step loops over a stacked KV cache
+(sage_jax.kv_cache) one layer at a time. Dtype policy: params in `param_dtype`, matmuls in `compute_dtype`, norms /
+softmax / logits in fp32.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import jax.numpy as jnp
 
 from sage_jax import rope as rope_lib
 from sage_jax import attention as attention_lib
+from sage_jax import kv_cache as cache_lib
 from sage_jax.sharding import constrain
 
+# re-exported: model.init_cache, model.BITS, ... name the KV cache (sage_jax.kv_cache)
+from sage_jax.kv_cache import BITS, DECODE_BLOCK, cache_axes, cache_rows, init_cache  # noqa: F401
 # re-exported: model.ModelConfig, model.preset, model.init_params, ... are the public names
 from sage_jax.model_config import (PRESETS, ModelConfig, Params, compute_params, init_params,  # noqa: F401
                                    param_axes, param_shapes, param_shardings, preset, shard_params)
@@ -32,86 +36,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 def rope_frequencies(cfg: ModelConfig):
     """(inverse frequencies [head_dim / 2], cos/sin scale) of cfg's RoPE variant (rope.frequencies)."""
     return rope_lib.frequencies(cfg.head_dim, cfg.rope_theta, dict(cfg.rope_scaling), cfg.max_position_embeddings)
-
-
-DECODE_BLOCK = 64  # cache slots per step of the blocked decode attention
-# A KV cache of this dtype holds a 16-bit compute dtype's bits. The slot pool's cache is one: written, copied and
-# sliced as bits, it is never converted whole (XLA:TPU kept a uint16 copy beside a bfloat16 one of every layer's
-# cache, XLA:CPU float32 copies, when bf16 <-> uint16 bitcasts sat at the loops' boundaries).
-BITS = jnp.dtype(jnp.uint16)
-
-
-def cache_rows(c_RxKxSxH, rows: int, groups: int = 1, start=0, length: int | None = None) -> jax.Array:
-    """The cache rows a batch of `rows` rows uses, cache slots [start, start + length): all R rows when rows == R,
-    else the first rows / groups of each of `groups` equal row groups (the sampler's pool shrinks inside each
-    data-parallel shard, so the groups are the shards and no row crosses one). Only that part is read."""
-    R, K, S, H = c_RxKxSxH.shape
-    length = S if length is None else length
-    if rows == R:
-        return c_RxKxSxH if length == S else jax.lax.dynamic_slice_in_dim(c_RxKxSxH, start, length, axis=2)
-    grouped = c_RxKxSxH.reshape(groups, R // groups, K, S, H)
-    part = jax.lax.dynamic_slice(grouped, (0, 0, 0, start, 0), (groups, rows // groups, K, length, H))
-    return part.reshape(rows, K, length, H)
-
-
-def _cached_attention(q_BxTxNxH, k_RxKxSxH, v_RxKxSxH, allowed_BxTxS, groups: int = 1) -> jax.Array:
-    """Attention over a [R,K,S,H] cache (R >= B rows: see cache_rows): (b, k) lead both operands, so XLA:CPU runs
-    plain batched matmuls instead of transposing the whole cache every decode step."""
-    B, T, N, H = q_BxTxNxH.shape
-    K, S = k_RxKxSxH.shape[1], k_RxKxSxH.shape[2]
-    q = q_BxTxNxH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).reshape(B, K, (N // K) * T, H)
-    allowed = jnp.tile(allowed_BxTxS, (1, N // K, 1))[:, None]  # rows ordered (g, t) like q
-    if T == 1 and S > DECODE_BLOCK:
-        end = S - jnp.argmax(jnp.any(allowed_BxTxS, axis=(0, 1))[::-1])  # one past the last slot any row may read
-        out = _blocked_decode_attention(q, k_RxKxSxH, v_RxKxSxH, allowed, end, groups)
-    else:
-        k_BxKxSxH, v_BxKxSxH = (cache_rows(c, B, groups) for c in (k_RxKxSxH, v_RxKxSxH))
-        if T == 1:  # decoding: a multiply-sum reads the cache once; a matmul with N/K-row operands first repacks it
-            scores = _decode_scores(q, k_BxKxSxH)
-        else:
-            scores = jnp.einsum("bkqh,bksh->bkqs", q, k_BxKxSxH, preferred_element_type=jnp.float32)
-        scores = jnp.where(allowed, scores / math.sqrt(H), jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxH.dtype)
-        out = jnp.einsum("bkqs,bksh->bkqh", probs, v_BxKxSxH)
-    return out.reshape(B, K, N // K, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
-
-
-def _decode_scores(q_BxKxGxH, k_BxKxSxH) -> jax.Array:
-    f32 = jnp.float32
-    return jnp.sum(q_BxKxGxH[:, :, :, None].astype(f32) * k_BxKxSxH[:, :, None].astype(f32), axis=-1)
-
-
-def _blocked_decode_attention(q_BxKxGxH, k_RxKxSxH, v_RxKxSxH, allowed_Bx1xGxS, end, groups: int = 1) -> jax.Array:
-    """One query per row over the cache slots [0, end), DECODE_BLOCK at a time with a running softmax: a decode step
-    reads the part of the cache written so far (of its own rows: cache_rows), not all of it."""
-    S, H = k_RxKxSxH.shape[2:]
-    B = q_BxKxGxH.shape[0]
-    blk = DECODE_BLOCK
-    f32 = jnp.float32
-
-    def block(j, carry):
-        max_BxKxG, sum_BxKxG, acc_BxKxGxH = carry
-        start = jnp.minimum(j * blk, S - blk)  # the last block is shifted back to fit; its re-read slots are masked
-        take = lambda c: cache_rows(c, B, groups, start, blk)
-        ok = jax.lax.dynamic_slice_in_dim(allowed_Bx1xGxS, start, blk, axis=3) & (start + jnp.arange(blk) >= j * blk)
-        k_blk, v_blk = (jax.lax.bitcast_convert_type(take(c), dtype) if c.dtype != dtype else take(c)
-                        for c in (k_bits, v_bits))
-        scores = jnp.where(ok, _decode_scores(q_BxKxGxH, k_blk) / math.sqrt(H), -jnp.inf)
-        new_max = jnp.maximum(max_BxKxG, jnp.max(scores, axis=-1))
-        probs = jnp.where(ok, jnp.exp(scores - new_max[..., None]), 0.0)
-        rescale = jnp.exp(max_BxKxG - new_max)
-        mixed = jnp.einsum("bkgs,bksh->bkgh", probs.astype(dtype), v_blk, preferred_element_type=f32)
-        return new_max, sum_BxKxG * rescale + jnp.sum(probs, axis=-1), acc_BxKxGxH * rescale[..., None] + mixed
-
-    # Blocks sliced from the cache's bits: XLA:CPU computes 16-bit float products in float32 and would otherwise
-    # convert the whole cache to float32 once, outside the loop (two float32 copies of every layer's cache held).
-    dtype = v_RxKxSxH.dtype
-    bits = lambda c: jax.lax.bitcast_convert_type(c, jnp.uint16) if dtype.itemsize == 2 else c
-    k_bits, v_bits = bits(k_RxKxSxH), bits(v_RxKxSxH)
-    _, K, G, _ = q_BxKxGxH.shape
-    init = (jnp.full((B, K, G), jnp.finfo(f32).min, f32), jnp.zeros((B, K, G), f32), jnp.zeros((B, K, G, H), f32))
-    _, total, acc = jax.lax.fori_loop(0, -(-end // blk), block, init)
-    return (acc / total[..., None]).astype(dtype)
 
 
 def _einsum_parts(equation: str) -> tuple[str, str, str, str, str, str]:
@@ -155,48 +79,10 @@ def _project(lp: Params, name: str, equation: str, x: jax.Array, cdt) -> jax.Arr
     return y + matmul(f"{lead}r,r{outer}->{y_letters}", down, adapter["b"].astype(cdt))
 
 
-def _as_bits(x, dtype) -> jax.Array:
-    """x in a cache of `dtype`: a uint16 cache holds a 16-bit float's bits (init_cache(..., BITS))."""
-    if dtype == BITS and x.dtype.itemsize == 2:
-        return jax.lax.bitcast_convert_type(x, BITS)
-    return x.astype(dtype)
-
-
-def _from_cache(c, cdt) -> jax.Array:
-    """A cache array in the compute dtype: a bitcast for a bits cache (free, and XLA folds it into the bitcasts of
-    _blocked_decode_attention's slices), else a convert."""
-    return jax.lax.bitcast_convert_type(c, cdt) if c.dtype == BITS and cdt.itemsize == 2 else c.astype(cdt)
-
-
-def _write_cache(c_RxKxSxH, x_BxTxKxH, index, groups: int = 1) -> jax.Array:
-    """x written at cache positions [index, index + T): one index for all rows, or one per row ([B]: the decode
-    slots of sampler's pool each have their own), a scatter of each row's T entries, into the rows cache_rows
-    names when the cache has more rows than x (R > B)."""
-    x_BxKxTxH = _as_bits(x_BxTxKxH.swapaxes(1, 2), c_RxKxSxH.dtype)
-    if jnp.ndim(index) == 0:
-        return jax.lax.dynamic_update_slice_in_dim(c_RxKxSxH, x_BxKxTxH, index, 2)
-    put = lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, 1)
-    R, B = c_RxKxSxH.shape[0], x_BxKxTxH.shape[0]
-    # A 16-bit float scatter is done in float32 by XLA:CPU, which then carries a float32 copy of the whole cache
-    # through the decode loop (2x its bytes, plus the converts); the same bits scattered as uint16 are not.
-    two = c_RxKxSxH.dtype.itemsize == 2
-    bits = (lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)) if two else (lambda a: a)
-    if R == B:
-        out = jax.vmap(put)(bits(c_RxKxSxH), bits(x_BxKxTxH), index)
-    else:  # row b of group d (of the first B / groups each) is cache row d * R / groups + b % (B / groups)
-        assert x_BxKxTxH.shape[2] == 1, "a batch on part of the cache rows writes one position per row"
-
-        def group(c_rxKxSxH, x_bxKxTxH, index_b):  # a scatter of b entries in place: no slice of the rows
-            return c_rxKxSxH.at[jnp.arange(index_b.shape[0]), :, index_b].set(x_bxKxTxH[:, :, 0])
-        split = lambda a, n: a.reshape(groups, n // groups, *a.shape[1:])
-        out = jax.vmap(group)(split(bits(c_RxKxSxH), R), split(bits(x_BxKxTxH), B), split(index, B))
-        out = out.reshape(c_RxKxSxH.shape)
-    return jax.lax.bitcast_convert_type(out, c_RxKxSxH.dtype) if two else out
-
-
 def _block(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, allowed_BxTxS, kv_cache=None, cache_index=None,
-           segment_ids_BxT=None, cache_groups: int = 1):
-    """One decoder layer. With kv_cache=(k, v) [B,K,S,H], writes this step's keys at cache_index. Without a cache,
+           segment_ids_BxT=None, cache_groups: int = 1, cache_layer=None):
+    """One decoder layer. With kv_cache=(k, v) [B,K,S,H] (or stacked [L,B,K,S,H], of which it reads and writes layer
+    cache_layer), writes this step's keys at cache_index. Without a cache,
     attention is within segment_ids (attention.attend, cfg.attention) when given, else under allowed_BxTxS."""
     cdt = jnp.dtype(cfg.compute_dtype)
     w = lambda name: lp[name].astype(cdt)
@@ -212,8 +98,9 @@ def _block(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, allowed_BxTxS, 
     inv_freq, scale = rope_frequencies(cfg)
     q, k = rope_lib.apply(q, positions_BxT, inv_freq, scale), rope_lib.apply(k, positions_BxT, inv_freq, scale)
     if kv_cache is not None:
-        kv_cache = tuple(_write_cache(c, x, cache_index, cache_groups) for c, x in zip(kv_cache, (k, v)))
-        attn = _cached_attention(q, _from_cache(kv_cache[0], cdt), _from_cache(kv_cache[1], cdt), allowed_BxTxS, cache_groups)
+        kv_cache = tuple(cache_lib.write(c, x, cache_index, cache_groups, cache_layer)
+                         for c, x in zip(kv_cache, (k, v)))
+        attn = cache_lib.cached_attention(q, *kv_cache, allowed_BxTxS, cache_groups, cache_layer, cdt)
     elif segment_ids_BxT is not None:
         attn = attention_lib.attend(cfg.attention, q, k, v, segment_ids_BxT, cfg.attention_block)
     else:
@@ -343,18 +230,6 @@ def logprobs_and_entropy(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array
 
 # --------------------------------------------------------------------------------------------------- KV cache
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: str | None = None) -> list[tuple[jax.Array, ...]]:
-    """One (k, v) pair per layer, each [B, KV, max_len, hd] (heads before slots: see _cached_attention); dtype BITS
-    (uint16): a 16-bit compute dtype's bits, read and written as such by forward_with_cache."""
-    dt = jnp.dtype(dtype or cfg.compute_dtype)
-    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-    return [(jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(cfg.num_layers)]
-
-
-def cache_axes() -> tuple[str, ...]:
-    return ("batch", "kv_heads", "cache_seq", "head_dim")
-
-
 def _layer_list(cfg: ModelConfig, layers) -> list[Params]:
     if isinstance(layers, (list, tuple)):
         return list(layers)
@@ -370,33 +245,59 @@ def unstack_layers(cfg: ModelConfig, params: Params) -> Params:
     return {**params, "layers": _layer_list(cfg, params["layers"])}
 
 
+def _cache_allowed(cache_index, T: int, kv_mask_BxS: jax.Array) -> jax.Array:
+    """[B or 1, T, S]: which cache slots each of T queries written from cache_index on may attend to."""
+    slots_S = jnp.arange(kv_mask_BxS.shape[1])
+    query_slots_bxT = jnp.reshape(cache_index, (-1, 1)) + jnp.arange(T)  # b = 1 or B
+    allowed = (slots_S[None, None, :] <= query_slots_bxT[:, :, None]) & kv_mask_BxS[:, None, :].astype(jnp.bool_)
+    return allowed | (slots_S[None, None, :] == query_slots_bxT[:, :, None])
+
+
+def prefill(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, mask_BxT: jax.Array, dtype: str | None = None):
+    """The prompts' forward into a new stacked cache of exactly their T slots (kv_cache.init_cache(cfg, B, T, dtype,
+    stacked=True)): (final-normed hidden [B, T, D], the cache), one layer at a time as forward_with_cache runs a
+    stacked cache."""
+    B, T = tokens_BxT.shape
+    cache = tuple(constrain(c, cache_axes(stacked=True)) for c in init_cache(cfg, B, T, dtype, stacked=True))
+    return forward_with_cache(cfg, params, tokens_BxT, default_positions(mask_BxT), cache, 0, mask_BxT,
+                              return_hidden=True)
+
+
 def forward_with_cache(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array,
-                       cache: list, cache_index: jax.Array, kv_mask_BxS: jax.Array, return_hidden: bool = False,
+                       cache, cache_index: jax.Array, kv_mask_BxS: jax.Array, return_hidden: bool = False,
                        cache_groups: int = 1):
     """Run T new tokens written at cache slots [cache_index, cache_index + T).
 
-    params["layers"] may be stacked or a list of per-layer dicts (unstack_layers). cache_index is one int for all
-    rows or one per row ([B]). kv_mask_BxS marks which cache slots hold real tokens (after this step's tokens are
-    added); query t of row b may attend to slot s when kv_mask[b, s] and s <= cache_index[b] + t, and always to its
-    own slot. A cache of more rows than B (decoding, T = 1) is used in the rows cache_rows(c, B, cache_groups)
-    names; the others are kept as they are. Returns (logits [B,T,V] fp32 or hidden, new cache).
+    params["layers"] may be stacked or a list of per-layer dicts (unstack_layers). cache is one (k, v) pair per layer
+    (a list) or one stacked pair (a tuple; stacked weights then run in a loop over the layers, so the compiler
+    holds one layer's gathered weights at a time). cache_index is one int for all rows or one per row ([B]).
+    kv_mask_BxS marks which cache slots hold real tokens (after this step's tokens are added); query t of row b may
+    attend to slot s when kv_mask[b, s] and s <= cache_index[b] + t, and always to its own slot. A cache of more
+    rows than B (decoding, T = 1) is used in the rows cache_rows(c, B, cache_groups) names; the others are kept as
+    they are. Returns (logits [B,T,V] fp32 or hidden, new cache).
     """
-    B, T = tokens_BxT.shape
-    S = cache[0][0].shape[2]
-    slots_S = jnp.arange(S)
-    query_slots_bxT = jnp.reshape(cache_index, (-1, 1)) + jnp.arange(T)  # b = 1 or B
-    allowed = (slots_S[None, None, :] <= query_slots_bxT[:, :, None]) & kv_mask_BxS[:, None, :].astype(jnp.bool_)
-    allowed = allowed | (slots_S[None, None, :] == query_slots_bxT[:, :, None])
+    allowed = _cache_allowed(cache_index, tokens_BxT.shape[1], kv_mask_BxS)
     x = _embed(cfg, params, tokens_BxT)
-    new_cache = []
-    for i, lp in enumerate(_layer_list(cfg, params["layers"])):
-        x, kv = _block(cfg, lp, x, positions_BxT, allowed, kv_cache=cache[i], cache_index=cache_index,
-                       cache_groups=cache_groups)
-        new_cache.append(kv)
+    block = functools.partial(_block, cfg, positions_BxT=positions_BxT, allowed_BxTxS=allowed, cache_index=cache_index,
+                              cache_groups=cache_groups)
+    if isinstance(cache, list):
+        new_cache = []
+        for i, lp in enumerate(_layer_list(cfg, params["layers"])):
+            x, kv = block(lp, x, kv_cache=cache[i])
+            new_cache.append(kv)
+        cache = new_cache
+    elif isinstance(params["layers"], (list, tuple)):
+        for i, lp in enumerate(params["layers"]):
+            x, cache = block(lp, x, kv_cache=cache, cache_layer=i)
+    else:
+        def layer(i, carry):
+            lp = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False), params["layers"])
+            return block(lp, carry[0], kv_cache=carry[1], cache_layer=i)
+        x, cache = jax.lax.fori_loop(0, cfg.num_layers, layer, (x, tuple(cache)))
     h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     if return_hidden:
-        return h, new_cache
-    return logits_from_hidden(cfg, params, h), new_cache
+        return h, cache
+    return logits_from_hidden(cfg, params, h), cache
 
 
 # Re-exported so `model.load_hf` / `model.save_hf` are the public entry points for checkpoints.

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sage_jax import model, workloads
+from sage_jax import kv_cache, model, workloads
 from sage_jax import sampler as sampler_lib
 from sage_jax.bench import common, flops
 from sage_jax.bench.common import DTYPES, print_table
@@ -127,7 +127,7 @@ def decode_matmuls_fn(cfg, params, rows: int, steps: int) -> tuple[Callable[[], 
 
 def decode_attention_fn(cfg, rows: int, prompt_len: int, steps: int) -> Callable[[], jax.Array]:
     """`steps` decode steps of `rows` rows that do nothing but each layer's attention over its KV cache, as the
-    sampler runs it (model._cached_attention on the sampler's cache shape, step i reading the prompt and the i
+    sampler runs it (kv_cache.cached_attention on the sampler's cache shape, step i reading the prompt and the i
     tokens before it), chained through the query: the part of a decode step that the matmuls-only floor leaves
     out and that no decode step can skip."""
     dt = jnp.dtype(cfg.compute_dtype)
@@ -144,7 +144,7 @@ def decode_attention_fn(cfg, rows: int, prompt_len: int, steps: int) -> Callable
         def step(i, q):
             allowed_Bx1xS = jnp.broadcast_to(jnp.arange(S) <= P + i, (rows, 1, S))
             for k, v in cache:
-                q = q + 1e-3 * model._cached_attention(q, k, v, allowed_Bx1xS)
+                q = q + 1e-3 * kv_cache.cached_attention(q, k, v, allowed_Bx1xS)
             return q
         return jax.lax.fori_loop(0, steps, step, q_Bx1xNxH)
     return lambda: program(cache, q)
