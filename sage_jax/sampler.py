@@ -9,7 +9,7 @@ prefills each prompt once and its G rows, which come out consecutively (prompt 0
 `slots` rows decode at once over one KV cache of slots x (prompt + new-token bucket) positions; the other rows wait
 in a queue and a row that stops hands its slot to the next one at the next step (default: a slot per row, one static
 batch); once the queue is empty the pool shrinks to the widths of decode_pool.stage_widths. Decode attention reads
-only the cache blocks written so far (model._cached_attention).
+only the cache blocks written so far (kv_cache.cached_attention).
 
 Behaviour log-probs: `logprobs[b, j]` is log softmax(logits / T) of the sampled token *before* top-k / top-p / min-p
 truncation (log softmax(logits) when greedy, T = 0), the quantity the trainer recomputes for the policy at
