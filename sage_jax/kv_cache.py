@@ -74,18 +74,18 @@ def from_cache(c, cdt) -> jax.Array:
 def write(c, x_BxTxKxH, index, groups: int = 1, layer=None) -> jax.Array:
     """x written at cache positions [index, index + T): one index for all rows, or one per row ([B]: the decode
     slots of sampler's pool each have their own), a scatter of each row's T entries, into the rows cache_rows
-    names when the cache has more rows than x (R > B; then T = 1)."""
+    names when the cache has more rows than x (R > B; then T = 1); into layer `layer` of a stacked cache."""
     x_BxKxTxH = as_bits(x_BxTxKxH.swapaxes(1, 2), c.dtype)
-    if layer is None and jnp.ndim(index) == 0:
-        return jax.lax.dynamic_update_slice_in_dim(c, x_BxKxTxH, index, 2)
+    if jnp.ndim(index) == 0:  # one position for all rows (a prefill)
+        if layer is None:
+            return jax.lax.dynamic_update_slice_in_dim(c, x_BxKxTxH, index, 2)
+        return jax.lax.dynamic_update_slice(c, x_BxKxTxH[:, None], (0, layer, 0, index, 0))
     # A 16-bit float scatter is done in float32 by XLA:CPU, which then carries a float32 copy of the whole cache
     # through the decode loop (2x its bytes, plus the converts); the same bits scattered as uint16 are not.
     two = c.dtype.itemsize == 2
     bits = (lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)) if two else (lambda a: a)
     R, B = c.shape[0], x_BxKxTxH.shape[0]
     split = lambda a, n: a.reshape(groups, n // groups, *a.shape[1:])
-    if layer is not None and jnp.ndim(index) == 0:  # a prefill: every row from the same position
-        return jax.lax.dynamic_update_slice(c, x_BxKxTxH[:, None], (0, layer, 0, index, 0))
     if isinstance(layer, int) and R == B:
         # Layers unrolled (a Python int: sampler's unstack_layers, the CPU default): one update per row. Under a loop
         # over the layers every width takes the scatter below instead: XLA:TPU laid the cache out one way for this
