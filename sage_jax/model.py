@@ -1,8 +1,8 @@
 """Qwen2 / Qwen3 / Llama decoder as pure functions over a params pytree.
 
 Layers are stacked along a leading axis. Training forwards scan over them (one compiled layer, checkpointed: see
-`hidden`); so does the prompts' prefill, and the sampler's decode step loops over a stacked KV cache
-(sage_jax.kv_cache) one layer at a time. Dtype policy: params in `param_dtype`, matmuls in `compute_dtype`, norms /
+`hidden`); the KV-cache forward (a prefill, a decode step) runs them one at a time over a stacked cache
+(forward_with_cache, sage_jax.kv_cache). Dtype policy: params in `param_dtype`, matmuls in `compute_dtype`, norms /
 softmax / logits in fp32.
 """
 
