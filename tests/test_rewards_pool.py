@@ -116,10 +116,13 @@ def test_score_from_threads_and_errors():
 
 
 def hang_once_or_raise(completion, gold):
-    """Test-only reward for a whole run: the first item ever scored hangs, odd-length completions raise."""
-    marker = os.environ["SAGE_TEST_HANG_MARKER"]
-    if not os.path.exists(marker):
-        open(marker, "w").close()
+    """Test-only reward for a whole run: the first item ever scored hangs, odd-length completions raise. The marker
+    is created atomically: two workers that checked for it at once both hung (2 timeouts where 1 was expected)."""
+    try:
+        os.close(os.open(os.environ["SAGE_TEST_HANG_MARKER"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        pass
+    else:
         while True:
             pass
     if len(completion) % 2:
