@@ -92,20 +92,15 @@ def write(c, x_BxTxKxH, index, groups: int = 1, layer=None) -> jax.Array:
         # update and another for the scatter, and copied the whole cache between the pool's widths (3.76 GB/chip).
         put = lambda c, x, i: jax.lax.dynamic_update_slice(c, x[None], (layer, 0, i, 0))
         out = jax.vmap(put)(bits(c), bits(x_BxKxTxH), index)
-    elif layer is not None:  # row b of group d (of B / groups each) is cache row d * R / groups + b % (B / groups)
-        assert x_BxKxTxH.shape[2] == 1 and jnp.ndim(index) == 1, "a stacked cache is written one position per row"
-
-        def group(c_rxLxKxSxH, x_bxKx1xH, index_b):  # a scatter of b entries in place: no slice of the rows
-            return c_rxLxKxSxH.at[jnp.arange(index_b.shape[0]), layer, :, index_b].set(x_bxKx1xH[:, :, 0])
-        out = jax.vmap(group)(split(bits(c), R), split(bits(x_BxKxTxH), B), split(index, B))
-    elif R == B:
+    elif layer is None and R == B:
         put = lambda c, x, i: jax.lax.dynamic_update_slice_in_dim(c, x, i, 1)
         out = jax.vmap(put)(bits(c), bits(x_BxKxTxH), index)
-    else:
-        assert x_BxKxTxH.shape[2] == 1, "a batch on part of the cache rows writes one position per row"
+    else:  # row b of group d (of B / groups each) is cache row d * R / groups + b % (B / groups)
+        assert x_BxKxTxH.shape[2] == 1, "a stacked cache, or part of the cache rows, is written one position per row"
+        at = () if layer is None else (layer,)
 
-        def group(c_rxKxSxH, x_bxKxTxH, index_b):
-            return c_rxKxSxH.at[jnp.arange(index_b.shape[0]), :, index_b].set(x_bxKxTxH[:, :, 0])
+        def group(c_r, x_bxKx1xH, index_b):  # a scatter of b entries into r rows, in place: no slice of the rows
+            return c_r.at[(jnp.arange(index_b.shape[0]), *at, slice(None), index_b)].set(x_bxKx1xH[:, :, 0])
         out = jax.vmap(group)(split(bits(c), R), split(bits(x_BxKxTxH), B), split(index, B))
     out = out.reshape(c.shape)
     return jax.lax.bitcast_convert_type(out, c.dtype) if two else out

@@ -245,14 +245,6 @@ def unstack_layers(cfg: ModelConfig, params: Params) -> Params:
     return {**params, "layers": _layer_list(cfg, params["layers"])}
 
 
-def _cache_allowed(cache_index, T: int, kv_mask_BxS: jax.Array) -> jax.Array:
-    """[B or 1, T, S]: which cache slots each of T queries written from cache_index on may attend to."""
-    slots_S = jnp.arange(kv_mask_BxS.shape[1])
-    query_slots_bxT = jnp.reshape(cache_index, (-1, 1)) + jnp.arange(T)  # b = 1 or B
-    allowed = (slots_S[None, None, :] <= query_slots_bxT[:, :, None]) & kv_mask_BxS[:, None, :].astype(jnp.bool_)
-    return allowed | (slots_S[None, None, :] == query_slots_bxT[:, :, None])
-
-
 def prefill(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, mask_BxT: jax.Array, dtype: str | None = None):
     """The prompts' forward into a new stacked cache of exactly their T slots (kv_cache.init_cache(cfg, B, T, dtype,
     stacked=True)): (final-normed hidden [B, T, D], the cache), one layer at a time as forward_with_cache runs a
@@ -276,7 +268,10 @@ def forward_with_cache(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, 
     rows than B (decoding, T = 1) is used in the rows cache_rows(c, B, cache_groups) names; the others are kept as
     they are. Returns (logits [B,T,V] fp32 or hidden, new cache).
     """
-    allowed = _cache_allowed(cache_index, tokens_BxT.shape[1], kv_mask_BxS)
+    slots_S = jnp.arange(kv_mask_BxS.shape[1])
+    query_slots_bxT = jnp.reshape(cache_index, (-1, 1)) + jnp.arange(tokens_BxT.shape[1])  # b = 1 or B
+    allowed = (slots_S[None, None, :] <= query_slots_bxT[:, :, None]) & kv_mask_BxS[:, None, :].astype(jnp.bool_)
+    allowed = allowed | (slots_S[None, None, :] == query_slots_bxT[:, :, None])
     x = _embed(cfg, params, tokens_BxT)
     block = functools.partial(_block, cfg, positions_BxT=positions_BxT, allowed_BxTxS=allowed, cache_index=cache_index,
                               cache_groups=cache_groups)
