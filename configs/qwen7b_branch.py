@@ -20,8 +20,8 @@ def get_config(arg=None):
     # the paper's algorithm. `:async` trains one step off-policy (k = 1) on the placement phase_model PREDICTS best
     # for v5p:4x4x2 with long-tailed lengths and the sampler's shrink stages (`python -m sage_jax.plan_placements
     # --config configs/qwen7b_branch.py --chip v5p --chips 32`): split, the sampler on n = 8 chips (1 per host of 8,
-    # as (data 2, tensor 4)) and training on the other 24 as (1, 6, 4): 1.15x the on-policy colocated tokens/s, against
-    # 1.00x for k = 1 colocated and 0.77x / 0.38x for n = 16 / 24. A prediction, not a measurement (no TPU was used;
+    # as (data 2, tensor 4)) and training on the other 24 as (1, 6, 4): 1.14x the on-policy colocated tokens/s, against
+    # 1.00x for k = 1 colocated and 0.76x / 0.38x for n = 16 / 24. A prediction, not a measurement (no TPU was used;
     # the weight copy's 100 GB/s per chip is an assumption): docs/PERFORMANCE.md "Off-policy steps".
     if arg == "async":
         c.train.off_policy_steps = 1

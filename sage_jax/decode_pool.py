@@ -5,8 +5,8 @@ per data-parallel shard where rows, prompts and slots split evenly: a shard's sl
 that starts in a slot copies its prompt's prefilled keys and values into that slot's row of the cache (one
 dynamic_update_slice per layer, never a copy of the whole cache), and when it stops (EOS or its own limit) the slot
 takes the next queued row at the next step. The loop ends when the queue is empty and every slot is idle. Once the
-queue is empty and the live slots fit a narrower width (stage_widths: 3S/4, S/2, ... S/16), they move to the first slots
-of their shard, in the same cache, and the steps after compute only those rows (on CPU a step costs its rows).
+queue is empty and the live slots fit a narrower width (stage_widths: four per halving of S), they move to the first
+slots of their shard, in the same cache, and the steps after compute only those rows (on CPU a step costs its rows).
 
 A row's cache layout, positions and keys do not depend on its slot or on when it runs: its prompt fills cache
 positions [0, P) (left-padded), its token j - 1 is written at P + j - 1 (each slot has its own write position:
@@ -79,20 +79,26 @@ def row_keys(key: jax.Array, steps_B: jax.Array, rows_B: jax.Array) -> jax.Array
 
 
 def stage_widths(slots: int, dp: int) -> tuple[int, ...]:
-    """The pool's widths, largest first: S, then S/2, S/4, S/8, S/16 and, where they are 24 slots or more, 3S/4
-    and 3S/8 (S = 64: 64, 48, 32, 24, 16, 8, 4, the compacting loop's widths), each a whole number, a multiple of dp
-    (data x fsdp) and at least 2 slots per data-parallel shard (>= 2 dp: with one slot per shard XLA:CPU held 2.3x
-    the cache shard in temporaries, against 1.15x, in test_one_kv_cache_in_memory). Once the queue is empty and the
-    live slots fit the next width (in every shard), they move into its slots and each step computes only those rows:
-    on CPU a step costs about the rows it computes. Each width is one more decode loop body to compile; the 3/4
-    widths are where a wide pool's idle slots cost the most (the long-tail benchmark, 64 rows: 12,872 row-steps
-    with halves down to S/8, 10,964 with these; docs/PERFORMANCE.md has the times)."""
-    widths = [slots]
-    for num, den in ((3, 4), (1, 2), (3, 8), (1, 4), (1, 8), (1, 16)):
-        width, rest = divmod(num * slots, den)
-        if not rest and width >= 2 * dp and width % dp == 0 and (num == 1 or width >= 24):
-            widths.append(width)
-    return tuple(widths)
+    """The pool's widths, largest first: four per halving of the slots (S = 64: 64, 56, 48, 40, 32, 28, 24, 20, 16,
+    then 14, 12, 10, 8, 6, 4, 2, where steps of 2 are the finest), counted in slots per data-parallel shard (dp =
+    data x fsdp), down to 2 per shard or S/32, whichever is more (with one slot per shard XLA:CPU held 2.3x the
+    cache shard in temporaries, against 1.15x, in test_one_kv_cache_in_memory). Once the queue is empty and every
+    shard's live slots fit the next width, they move into its slots, and each step computes only those rows: on
+    CPU a step costs about the rows it computes, and these widths compute at most about 4/3 of the live rows (the
+    halves of earlier sessions: up to 2x). Each width is one more decode loop body to compile (about 4 s on CPU for
+    the small preset); on the long-tail benchmark (64 rows) these 16 widths ran 2.5-8.9% faster than session 10's 7
+    in three A/B runs (docs/PERFORMANCE.md, session 11)."""
+    if slots % dp:
+        return (slots,)
+    per_shard = slots // dp
+    floor = max(2, per_shard // 32)
+    widths = [per_shard]
+    while True:
+        below = 1 << max(0, (widths[-1] - 1).bit_length() - 1)  # the largest power of two under the width
+        width = widths[-1] - max(2, below // 4)
+        if width < floor:
+            return tuple(w * dp for w in widths)
+        widths.append(width)
 
 
 def _copy_prompts(cache: tuple, prompt_cache: tuple, slots_QxK: jax.Array, prompts_QxK: jax.Array,
@@ -174,7 +180,11 @@ def _shrink(pool: _Pool, live_W: jax.Array, width: int, groups: int) -> _Pool:
             row = take(c_GxRxLxKxTxH, order_gxn[:, j])
             return jax.lax.dynamic_update_slice(c_GxRxLxKxTxH, row, (0, j, 0, 0, 0, 0)).reshape(c.shape)
         return tuple(map(one, cache))
-    cache = jax.lax.fori_loop(0, n, move, pool.cache)  # bits, like every copy of the cache (model.BITS)
+    # slots before the first that moves in any group keep their rows (passing through several widths at once,
+    # the later shrinks move nothing)
+    stays_n = jnp.all(order_gxn == jnp.arange(n, dtype=jnp.int32), axis=0)
+    first = jnp.min(jnp.where(stays_n, n, jnp.arange(n, dtype=jnp.int32)))
+    cache = jax.lax.fori_loop(first, n, move, pool.cache)  # bits, like every copy of the cache (model.BITS)
     return pool._replace(row_S=pick(pool.row_S), pos_S=pick(pool.pos_S), last_S=pick(pool.last_S),
                          cache=constrain_cache(cache))
 
@@ -261,7 +271,12 @@ def _decode(ctx: _Ctx, pool: _Pool, out: _Out, prompt_cache: list, widths: tuple
 
         def body(carry, refill=level == 0):
             pool, out = _step(ctx, *carry)
-            return (_refill(pool, _done(ctx, out), out, prompt_cache, G) if refill else pool), out
+            if not refill:
+                return pool, out
+            # most steps free no slot: they skip the refill's bookkeeping (ranks, searches, the copy loop)
+            done_N = _done(ctx, out)
+            idle = jnp.any(~_active(ctx, pool, out)) & jnp.any(_queued(pool, done_N))
+            return jax.lax.cond(idle, lambda p: _refill(p, done_N, out, prompt_cache, G), lambda p: p, pool), out
         pool, out = jax.lax.while_loop(cond, body, (pool, out))
     return pool, out
 

@@ -284,9 +284,10 @@ LINK_BYTES_PER_S = 100e9
 
 
 def placements_for(config, cfg, chip: str, chips: int, host_s: float | None = None, seed: int = 0,
-                   stages: bool = True) -> list[dict]:
-    """k = 0 / k = 1 colocated / k = 1 split (n = a quarter, half and three quarters of the chips) for config's
-    rollout shape with long-tailed completion lengths (workloads.longtail_lengths), on `chips` TPU chips."""
+                   stages: bool = True, every_split: bool = False) -> list[dict]:
+    """k = 0 / k = 1 colocated / k = 1 split (n = a quarter, half and three quarters of the chips; every_split:
+    every n that the tensor axis divides) for config's rollout shape with long-tailed completion lengths
+    (workloads.longtail_lengths), on `chips` TPU chips."""
     from sage_jax import roofline
     from sage_jax import workloads as wl
     c, ro = roofline.CHIPS[chip], config.rollout
@@ -295,7 +296,8 @@ def placements_for(config, cfg, chip: str, chips: int, host_s: float | None = No
     if host_s is None:
         host_s = HOST_S_PER_ROLLOUT * len(lengths) / max(1, config.train.reward_workers)
     tensor = int(config.mesh.shape[2]) if int(config.mesh.shape[2]) > 0 else 1
-    splits = [n for n in (chips // 4, chips // 2, 3 * chips // 4) if n % tensor == 0]
+    splits = range(tensor, chips, tensor) if every_split else (chips // 4, chips // 2, 3 * chips // 4)
+    splits = [n for n in splits if n % tensor == 0]
     return phase_model.placements(cfg, ro.prompts_per_step, config.data.max_prompt_len, lengths, machine, chips, tensor,
                                   host_s, splits, packed=config.train.packing, stages=stages,
                                   max_new_tokens=ro.max_new_tokens)

@@ -7,11 +7,10 @@ from sage_jax import model, phase_model, workloads
 
 def test_stage_widths_keep_the_multiples_of_the_row_shards():
     from sage_jax import decode_pool
-    assert phase_model.stage_widths(64, 1) == [64, 48, 32, 24, 16, 8, 4]
-    assert phase_model.stage_widths(64, 16) == [64, 48, 32]  # at least 2 slots per row shard
-    assert phase_model.stage_widths(64, 24) == [64, 48]
-    assert phase_model.stage_widths(4, 1) == [4, 2]  # 4 / 4 leaves 1 slot, 4 / 8 is no whole width
-    assert phase_model.stage_widths(48, 8) == [48, 24]  # 12 and 6 are below 2 dp / not multiples of it
+    assert phase_model.stage_widths(64, 1) == [64, 56, 48, 40, 32, 28, 24, 20, 16, 14, 12, 10, 8, 6, 4, 2]
+    assert phase_model.stage_widths(64, 16) == [64, 32]  # at least 2 slots per row shard
+    assert phase_model.stage_widths(4, 1) == [4, 2]
+    assert phase_model.stage_widths(48, 8) == [48, 32, 16]  # 6, 4, 2 slots per shard
     for slots, dp in [(64, 1), (64, 8), (48, 8), (32, 4), (24, 3)]:  # the model's rule is the sampler's
         assert phase_model.stage_widths(slots, dp) == list(decode_pool.stage_widths(slots, dp))
 
@@ -20,10 +19,10 @@ def test_decode_stages_shrink_only_once_the_queue_is_empty():
     rows, live = phase_model.decode_batches(np.array([10, 2, 2, 2]), slots=4, stage_dp=1)
     assert rows.tolist() == [4] + [2] * 8 and live.tolist() == [4] + [1] * 8  # widths 4, 2: at least 2 slots
     assert (phase_model.decode_batches(np.array([10, 2, 2, 2]), slots=4)[0] == 4).all()  # default: no stages
-    # 8 slots, 12 rows: the last 4 wait in the queue and start at step 1, so the pool keeps its 8 slots while 5 are
-    # live, and shrinks (to 2, the narrowest width) only once the queue is empty and one row is left
+    # 8 slots, 12 rows: the last 4 wait in the queue and start at step 1, so the pool keeps its 8 slots until the
+    # queue is empty, then computes 6 (the width that fits 5 live rows) and 2 (the narrowest) once one row is left
     rows, live = phase_model.decode_batches(np.array([10] + [2] * 11), slots=8, stage_dp=1)
-    assert rows.tolist() == [8, 8, 8] + [2] * 6 and live.tolist() == [8, 5, 5] + [1] * 6
+    assert rows.tolist() == [8, 6, 6] + [2] * 6 and live.tolist() == [8, 5, 5] + [1] * 6
     lengths = workloads.longtail_lengths(64, 256)
     for dp in (1, 8, 16):
         rows, live = phase_model.decode_batches(lengths, stage_dp=dp)

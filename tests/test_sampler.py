@@ -298,23 +298,25 @@ def test_slot_pool_equals_static_batch_with_eos_and_sampling(params, kw):
 
 def test_stage_widths():
     from sage_jax.decode_pool import stage_widths
-    assert stage_widths(64, 1) == (64, 48, 32, 24, 16, 8, 4)  # the compacting loop's widths, down to S/16
-    assert stage_widths(32, 1) == (32, 24, 16, 8, 4, 2)  # 3/4 widths only from 24 slots up
-    assert stage_widths(16, 4) == (16, 8)  # multiples of data x fsdp, at least 2 slots per shard
-    assert stage_widths(8, 1) == (8, 4, 2)
-    assert stage_widths(20, 1) == (20, 10, 5) and stage_widths(12, 4) == (12,) and stage_widths(3, 1) == (3,)
-    assert stage_widths(1, 1) == (1,)
+    # four widths per halving (steps of a quarter of the power of two below), steps of 2 the finest, down to 2
+    assert stage_widths(64, 1) == (64, 56, 48, 40, 32, 28, 24, 20, 16, 14, 12, 10, 8, 6, 4, 2)
+    assert stage_widths(20, 1) == (20, 16, 14, 12, 10, 8, 6, 4, 2) and stage_widths(8, 1) == (8, 6, 4, 2)
+    assert stage_widths(16, 4) == (16, 8)  # counted per data x fsdp shard: 4, 2 slots each
+    assert stage_widths(48, 8) == (48, 32, 16) and stage_widths(64, 16) == (64, 32)
+    assert stage_widths(256, 1)[-1] == 8  # and never below S/32
+    assert stage_widths(12, 4) == (12,) and stage_widths(3, 1) == (3,) and stage_widths(5, 1) == (5, 3)
+    assert stage_widths(1, 1) == (1,) and stage_widths(64, 24) == (64,)  # slots that do not split over the shards
 
 
 def test_shrink_stages_equal_one_static_batch(params, monkeypatch):
-    """The pool shrinks to 8, 4, 2 slots (16 rows, one device) and to 8 (4-way data parallel, 8 devices) once its
+    """The pool shrinks to 14, 12, ... 2 slots (16 rows, one device) and to 8 (4-way data parallel, 8 devices) once
     queue is empty; the tokens equal a static batch that never shrinks, on one device and sharded."""
     from sage_jax import decode_pool
     real = decode_pool.stage_widths
     monkeypatch.setattr(decode_pool, "stage_widths", lambda s, dp: (s,))
     flat, _, limits = _longtail_case(params, slots=(), temperature=0.0, eos_ids=())
     monkeypatch.setattr(decode_pool, "stage_widths", real)
-    assert real(16, 1) == (16, 8, 4, 2)
+    assert real(16, 1) == (16, 14, 12, 10, 8, 6, 4, 2)
     staged, pooled, _ = _longtail_case(params, slots=(3, 8), temperature=0.0, eos_ids=())
     for got in (staged, *pooled.values()):
         _assert_same_outputs(got, flat, steps=got is staged)
