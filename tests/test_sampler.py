@@ -310,7 +310,7 @@ def test_stage_widths():
 
 def test_shrink_stages_equal_one_static_batch(params, monkeypatch):
     """The pool shrinks to 14, 12, ... 2 slots (16 rows, one device) and to 8 (4-way data parallel, 8 devices) once
-    queue is empty; the tokens equal a static batch that never shrinks, on one device and sharded."""
+    its queue is empty; the tokens equal a static batch that never shrinks, on one device and sharded."""
     from sage_jax import decode_pool
     real = decode_pool.stage_widths
     monkeypatch.setattr(decode_pool, "stage_widths", lambda s, dp: (s,))
