@@ -43,7 +43,7 @@ class SamplerPlan:
     mesh: Mesh | None
     unstack_layers: bool
     slots: int  # decode slots S (a multiple of data x fsdp): rows beyond S wait for a slot to free up
-    stages: tuple[int, ...] | None = None  # the pool's widths (None: stage_widths(slots, data x fsdp))
+    stages: tuple[int, ...] | None = None  # the pool's widths (None: stage_widths(slots, data x fsdp, C))
 
 
 def constrain_cache(cache):
@@ -78,24 +78,31 @@ def row_keys(key: jax.Array, steps_B: jax.Array, rows_B: jax.Array) -> jax.Array
     return jax.vmap(lambda j, r: jax.random.fold_in(jax.random.fold_in(key, j), r))(steps_B, rows_B)
 
 
-def stage_widths(slots: int, dp: int) -> tuple[int, ...]:
-    """The pool's widths, largest first: four per halving of the slots (S = 64: 64, 56, 48, 40, 32, 28, 24, 20, 16,
-    then 14, 12, 10, 8, 6, 4, 2, where steps of 2 are the finest), counted in slots per data-parallel shard (dp =
-    data x fsdp), down to 2 per shard or S/32, whichever is more (with one slot per shard XLA:CPU held 2.3x the
-    cache shard in temporaries, against 1.15x, in test_one_kv_cache_in_memory). Once the queue is empty and every
-    shard's live slots fit the next width, they move into its slots, and each step computes only those rows: on
-    CPU a step costs about the rows it computes, and these widths compute at most about 4/3 of the live rows (the
-    halves of earlier sessions: up to 2x). Each width is one more decode loop body to compile (about 4 s on CPU for
-    the small preset); on the long-tail benchmark (64 rows) these 16 widths ran 2.5-8.9% faster than session 10's 7
-    in three A/B runs (docs/PERFORMANCE.md, session 11)."""
+# Completions shorter than this take only halving widths: on CPU a width's decode loop body compiles in about the
+# time of 100-400 of its steps (about 4 s for the small preset, 2 s for the demo's model), so finer widths pay back
+# only over long completions (the CPU demo's 24 tokens: 4 min 26 s wall with 21 widths per sampler program).
+FINE_WIDTHS_MIN_TOKENS = 128
+
+
+def stage_widths(slots: int, dp: int, new_tokens: int | None = None) -> tuple[int, ...]:
+    """The pool's widths, largest first, counted in slots per data-parallel shard (dp = data x fsdp), down to 2 per
+    shard or S/32, whichever is more (with one slot per shard XLA:CPU held 2.3x the cache shard in temporaries,
+    against 1.15x, in test_one_kv_cache_in_memory). Four per halving of the slots (S = 64: 64, 56, 48, 40, 32, 28,
+    24, 20, 16, then 14, 12, 10, 8, 6, 4, 2, where steps of 2 are the finest); for completions of fewer than
+    FINE_WIDTHS_MIN_TOKENS new tokens, halves only (64, 32, 16, 8, 4, 2). Once the queue is empty and every shard's
+    live slots fit the next width, they move into its slots, and each step computes only those rows: on CPU a step
+    costs about the rows it computes, and the finer widths compute at most about 4/3 of the live rows (halves: up to
+    2x). Each width is one more decode loop body to compile; on the long-tail benchmark (64 rows, 512 tokens) the 16
+    widths ran 2.5-8.9% faster than session 10's 7 in three A/B runs (docs/PERFORMANCE.md, session 11)."""
     if slots % dp:
         return (slots,)
     per_shard = slots // dp
     floor = max(2, per_shard // 32)
+    fine = new_tokens is None or new_tokens >= FINE_WIDTHS_MIN_TOKENS
     widths = [per_shard]
     while True:
         below = 1 << max(0, (widths[-1] - 1).bit_length() - 1)  # the largest power of two under the width
-        width = widths[-1] - max(2, below // 4)
+        width = widths[-1] - max(2, below // 4) if fine else widths[-1] // 2
         if width < floor:
             return tuple(w * dp for w in widths)
         widths.append(width)
@@ -317,7 +324,7 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
     pool = _Pool(empty_S, jnp.ones((S,), jnp.int32), jnp.zeros((S,), jnp.int32), cache, jnp.zeros((Q,), jnp.int32),
                  jnp.int32(1))
     pool = _refill(pool, _done(ctx, out), out, prompt_cache, G)
-    widths = plan.stages if plan.stages is not None else stage_widths(S, dp)
+    widths = plan.stages if plan.stages is not None else stage_widths(S, dp, C)
     pool, out = _decode(ctx, pool, out, prompt_cache, widths)
     return (out.tokens_NxC, out.logp_NxC, out.lengths_N, out.finished_N, jnp.repeat(prompt_BxP, G, axis=0),
             jnp.repeat(mask_BxP, G, axis=0), pool.steps)

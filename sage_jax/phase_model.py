@@ -56,10 +56,10 @@ def _both(compute_s, memory_s, m: Machine):
     return np.maximum(compute_s, memory_s) if m.overlap else compute_s + memory_s
 
 
-def stage_widths(slots: int, dp: int) -> list[int]:
+def stage_widths(slots: int, dp: int, new_tokens: int | None = None) -> list[int]:
     """The decode pool's widths with shrink stages (issue 26): exactly the sampler's rule (decode_pool.stage_widths)."""
     from sage_jax.decode_pool import stage_widths as pool_widths
-    return list(pool_widths(slots, dp))
+    return list(pool_widths(slots, dp, new_tokens))
 
 
 def decode_batches(lengths_N: np.ndarray, slots: int | None = None, stage_dp: int = 0
@@ -67,9 +67,9 @@ def decode_batches(lengths_N: np.ndarray, slots: int | None = None, stage_dp: in
     """(rows computed, rows live), int [steps] each, for decode steps j = 1.. (the first token comes from the
     prefill) of the slot pool (sampler.generate, decode_pool.py): S = `slots` (default every row) slots compute at
     every step while any row is live, and a row that ends hands its slot to the next queued row.
-    stage_dp > 0: the pool shrinks in stages (stage_widths(S, stage_dp)): once the queue is empty and the live rows
-    fit in a narrower width, the following steps compute the rows of the narrowest width holding them;
-    0: no stages, S rows at every step."""
+    stage_dp > 0: the pool shrinks in stages (stage_widths(S, stage_dp, the longest row's tokens), where the sampler
+    takes its completion bucket): once the queue is empty and the live rows fit in a narrower width, the following
+    steps compute the rows of the narrowest width holding them; 0: no stages, S rows at every step."""
     lengths_N = np.asarray(lengths_N)
     S = len(lengths_N) if not slots else min(int(slots), len(lengths_N))
     free_S = np.zeros(S, np.int64)  # the step each slot frees up at; rows start in queue order on the first free
@@ -84,10 +84,11 @@ def decode_batches(lengths_N: np.ndarray, slots: int | None = None, stage_dp: in
     live_J = ((start_N[None, :] <= j[:, None]) & (end_N[None, :] > j[:, None])).sum(1)
     rows_J = np.full(len(j), S)
     if stage_dp > 0:
+        widths = stage_widths(S, stage_dp, int(lengths_N.max()))
         width, queue_empty = S, j >= start_N.max()  # a row started at step j was in the queue until then
         for i in range(len(j)):
-            while queue_empty[i] and any(w < width and live_J[i] <= w for w in stage_widths(S, stage_dp)):
-                width = max(w for w in stage_widths(S, stage_dp) if w < width)
+            while queue_empty[i] and any(w < width and live_J[i] <= w for w in widths):
+                width = max(w for w in widths if w < width)
             rows_J[i] = width
     return rows_J, live_J
 

@@ -19,10 +19,13 @@ def test_decode_stages_shrink_only_once_the_queue_is_empty():
     rows, live = phase_model.decode_batches(np.array([10, 2, 2, 2]), slots=4, stage_dp=1)
     assert rows.tolist() == [4] + [2] * 8 and live.tolist() == [4] + [1] * 8  # widths 4, 2: at least 2 slots
     assert (phase_model.decode_batches(np.array([10, 2, 2, 2]), slots=4)[0] == 4).all()  # default: no stages
-    # 8 slots, 12 rows: the last 4 wait in the queue and start at step 1, so the pool keeps its 8 slots until the
-    # queue is empty, then computes 6 (the width that fits 5 live rows) and 2 (the narrowest) once one row is left
+    # 8 slots, 12 rows: the last 4 wait in the queue and start at step 1, so the pool keeps its 8 slots while 5 are
+    # live (10 tokens at most: halving widths 8, 4, 2), and shrinks to 2 once the queue is empty and one row is left
     rows, live = phase_model.decode_batches(np.array([10] + [2] * 11), slots=8, stage_dp=1)
-    assert rows.tolist() == [8, 6, 6] + [2] * 6 and live.tolist() == [8, 5, 5] + [1] * 6
+    assert rows.tolist() == [8, 8, 8] + [2] * 6 and live.tolist() == [8, 5, 5] + [1] * 6
+    # with 128 tokens or more, the fine widths: 6 fits the 5 live rows once the queue is empty
+    rows, live = phase_model.decode_batches(np.array([130] + [2] * 11), slots=8, stage_dp=1)
+    assert rows[:3].tolist() == [8, 6, 6] and rows[-1] == 2
     lengths = workloads.longtail_lengths(64, 256)
     for dp in (1, 8, 16):
         rows, live = phase_model.decode_batches(lengths, stage_dp=dp)

@@ -306,6 +306,9 @@ def test_stage_widths():
     assert stage_widths(256, 1)[-1] == 8  # and never below S/32
     assert stage_widths(12, 4) == (12,) and stage_widths(3, 1) == (3,) and stage_widths(5, 1) == (5, 3)
     assert stage_widths(1, 1) == (1,) and stage_widths(64, 24) == (64,)  # slots that do not split over the shards
+    # short completions: halves only (a width is a loop body to compile, paid back over long completions)
+    assert stage_widths(64, 1, 127) == (64, 32, 16, 8, 4, 2) and stage_widths(64, 1, 128) == stage_widths(64, 1)
+    assert stage_widths(256, 1, 24) == (256, 128, 64, 32, 16, 8) and stage_widths(16, 4, 24) == (16, 8)
 
 
 def test_shrink_stages_equal_one_static_batch(params, monkeypatch):
@@ -313,10 +316,11 @@ def test_shrink_stages_equal_one_static_batch(params, monkeypatch):
     its queue is empty; the tokens equal a static batch that never shrinks, on one device and sharded."""
     from sage_jax import decode_pool
     real = decode_pool.stage_widths
-    monkeypatch.setattr(decode_pool, "stage_widths", lambda s, dp: (s,))
+    monkeypatch.setattr(decode_pool, "stage_widths", lambda s, dp, c: (s,))
     flat, _, limits = _longtail_case(params, slots=(), temperature=0.0, eos_ids=())
     monkeypatch.setattr(decode_pool, "stage_widths", real)
-    assert real(16, 1) == (16, 14, 12, 10, 8, 6, 4, 2)
+    monkeypatch.setattr(decode_pool, "FINE_WIDTHS_MIN_TOKENS", 0)  # the fine widths, at this test's short lengths
+    assert real(16, 1, 8) == (16, 14, 12, 10, 8, 6, 4, 2)
     staged, pooled, _ = _longtail_case(params, slots=(3, 8), temperature=0.0, eos_ids=())
     for got in (staged, *pooled.values()):
         _assert_same_outputs(got, flat, steps=got is staged)
