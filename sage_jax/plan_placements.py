@@ -23,7 +23,7 @@ def placements_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--host-s", type=float, default=None, help="host seconds per step (default: "
                         "HOST_S_PER_ROLLOUT x rollouts / train.reward_workers)")
     parser.add_argument("--no-decode-stages", action="store_true", help="model a decode pool without its shrink "
-                        "stages (once the queue is empty the sampler shrinks from S in steps of S/8 or less: "
+                        "stages (once the queue is empty the sampler shrinks from S towards its live rows: "
                         "decode_pool.stage_widths)")
     parser.add_argument("--every-split", action="store_true", help="the split placement at every n rollout chips "
                         "(a multiple of the tensor axis), not only a quarter, half and three quarters of the chips")
