@@ -3,9 +3,10 @@ session 12).
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python bench/cpu_decode_kernels.py [--repeats 3]
 
-1. The slot pool against a static batch of the same width: W rows of 512 tokens each alone (a static batch), and the
-   same W rows among 64 whose other rows stop at their first token (the pool shrinks to W at once). Equal times mean
-   the pool's loop adds nothing beyond the width it computes.
+1. The slot pool against a static batch of the same width: W prompts, one row of 512 tokens each (a static batch of
+   W rows), and the same W prompts with 64 / W samples each, 64 rows whose other samples stop at their first token
+   (one pool of 64 slots that shrinks to W at once; both prefill the same W prompts). Equal times mean the pool's
+   loop adds nothing beyond the width it computes.
 2. The decode matmuls at few rows: XLA's `x @ W` against torch's on the same machine and thread count, through the
    small preset's own weights (every layer's gate and down matrices, 512 x 1536 fp32), each output used whole.
 3. The decode attention (8 layers at position 450, the sampler's stacked cache) as shipped, and with other block
@@ -34,17 +35,17 @@ def median_ms(fns: dict, repeats: int) -> dict:
 
 
 def pool_vs_static(cfg, params, widths, repeats: int) -> None:
-    prompts = np.random.default_rng(0).integers(1, cfg.vocab_size, (64, 32)).tolist()
     for w in widths:
-        lengths = [512 if i % (64 // w) == 0 else 1 for i in range(64)]
+        prompts = np.random.default_rng(w).integers(1, cfg.vocab_size, (w, 32)).tolist()
+        lengths = [512 if i % (64 // w) == 0 else 1 for i in range(64)]  # the first sample of each prompt runs on
 
-        def static(w=w):
-            return sampler_lib.generate(cfg, params, prompts[:w], max_new_tokens=512, temperature=0.0, eos_ids=(),
+        def static(w=w, prompts=prompts):
+            return sampler_lib.generate(cfg, params, prompts, max_new_tokens=512, temperature=0.0, eos_ids=(),
                                         row_max_new_tokens=[512] * w).lengths
 
-        def pool(lengths=lengths):
+        def pool(w=w, prompts=prompts, lengths=lengths):  # the same W prompts prefilled, 64 / W samples of each
             return sampler_lib.generate(cfg, params, prompts, max_new_tokens=512, temperature=0.0, eos_ids=(),
-                                        row_max_new_tokens=lengths).lengths
+                                        num_samples=64 // w, row_max_new_tokens=lengths).lengths
         ms = median_ms({"static": static, "pool": pool}, repeats)
         print(f"[1] W = {w:2d}, 512 tokens: static batch {ms['static'] / 1e3:.2f} s, pool of 64 slots "
               f"{ms['pool'] / 1e3:.2f} s: pool / static {ms['pool'] / ms['static']:.3f}", flush=True)
