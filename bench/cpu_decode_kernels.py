@@ -43,7 +43,7 @@ def pool_vs_static(cfg, params, widths, repeats: int) -> None:
             return sampler_lib.generate(cfg, params, prompts, max_new_tokens=512, temperature=0.0, eos_ids=(),
                                         row_max_new_tokens=[512] * w).lengths
 
-        def pool(w=w, prompts=prompts, lengths=lengths):  # the same W prompts prefilled, 64 / W samples of each
+        def pool(prompts=prompts, lengths=lengths):  # the same W prompts prefilled, 64 / W samples of each
             return sampler_lib.generate(cfg, params, prompts, max_new_tokens=512, temperature=0.0, eos_ids=(),
                                         num_samples=64 // w, row_max_new_tokens=lengths).lengths
         ms = median_ms({"static": static, "pool": pool}, repeats)
@@ -95,11 +95,13 @@ def attention(cfg, rows_list, repeats: int, position: int = 450, blocks=(64, 128
         q = jnp.asarray(rng.standard_normal((rows, 1, N, H), dtype=np.float32))
         allowed = jnp.asarray(np.arange(S)[None, None, :] < position).repeat(rows, 0)
         fns = {}
-        for blk in blocks:
-            kv_cache.DECODE_BLOCK = blk or S  # None: one pass over the whole cache (no blocks)
-            f = jax.jit(lambda q, k, v, a: sum(kv_cache.cached_attention(q, k, v, a, layer=i) for i in range(L)))
-            fns[blk or "none"] = f.lower(q, k, v, allowed).compile()  # traced under this block size
-        kv_cache.DECODE_BLOCK = shipped
+        try:
+            for blk in blocks:
+                kv_cache.DECODE_BLOCK = blk or S  # None: one pass over the whole cache (no blocks)
+                f = jax.jit(lambda q, k, v, a: sum(kv_cache.cached_attention(q, k, v, a, layer=i) for i in range(L)))
+                fns[blk or "none"] = f.lower(q, k, v, allowed).compile()  # traced under this block size
+        finally:
+            kv_cache.DECODE_BLOCK = shipped
         ms = median_ms({b: (lambda f=f: f(q, k, v, allowed).block_until_ready()) for b, f in fns.items()}, repeats)
         mb = 2 * rows * L * K * position * H * 4 / 1e6
         print(f"[3] {rows:2d} rows, position {position}, {L} layers ({mb:.0f} MB of cache read): "
