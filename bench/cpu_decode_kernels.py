@@ -24,8 +24,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from sage_jax import kv_cache  # noqa: E402
-from sage_jax import sampler as sampler_lib  # noqa: E402
+from sage_jax.models import kv_cache  # noqa: E402
+from sage_jax.sampling import sampler as sampler_lib  # noqa: E402
 from sage_jax.bench import common  # noqa: E402
 from sage_jax.bench import sampler as sampler_bench  # noqa: E402
 

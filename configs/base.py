@@ -8,7 +8,8 @@ group advantages divided by the group's std with ddof 1 plus 1e-4, 1000 steps.
 
 import ml_collections
 
-from sage_jax import objectives, sharding
+from sage_jax.models import sharding
+from sage_jax.rl import objectives
 from sage_jax.data import templates
 
 ARGS = ()  # accepted config arguments (configs/NAME.py:ARG): none, so any is an error
@@ -23,7 +24,7 @@ def get_config(arg=None):
         path="", preset="", vocab_size=0, hidden_size=0, num_layers=0, num_heads=0, num_kv_heads=0,
         intermediate_size=0, param_dtype="float32", compute_dtype="bfloat16", remat=False, scan_layers=True,
         logits_chunk=512, ref_dtype="bfloat16",
-        # training / no-grad attention: auto | naive | blockwise | cudnn | splash (sage_jax/attention.py)
+        # training / no-grad attention: auto | naive | blockwise | cudnn | splash (sage_jax/models/attention.py)
         attention="auto"))
     # LoRA (rank 0 = full fine-tuning): only the adapters train; the frozen base is also the reference policy.
     # targets are HF module names (PEFT's target_modules); init_from is a PEFT adapter directory to continue from.
@@ -51,7 +52,7 @@ def get_config(arg=None):
 
     c.rollout = ml_collections.ConfigDict(dict(
         prompts_per_step=64, group_size=8, temperature=1.0, top_p=1.0, top_k=0, min_p=0.01, max_new_tokens=6144,
-        # decode slots (sage_jax.sampler): None = one per row (a static batch); N = N rows decode at once, the rest
+        # decode slots (sage_jax.sampling.sampler): None = one per row (a static batch); N = N rows decode at once, the rest
         # queue for a slot; "auto" = as many as fit the accelerator's free memory
         slots=None))
 
@@ -68,11 +69,11 @@ def get_config(arg=None):
     c.train = ml_collections.ConfigDict(dict(
         steps=1000, ckpt_every=50, keep_ckpts=3, eval_every=100, sample_every=10, export_hf=True,
         reward="math", reward_workers=8, reward_timeout=10.0, logprob_rows=64,
-        packing=True,  # reference / old-policy passes and updates on packed rows (sage_jax/packing.py)
+        packing=True,  # reference / old-policy passes and updates on packed rows (sage_jax/rl/packing.py)
         dynamic_sampling=False, max_resample=3, overlong_buffer=0, overlong_penalty=1.0,
         use_tensorboard=True, use_wandb=False, progress=True,
         # k > 0: step t trains on rollouts sampled by the policy of step t - k; batch t + k is generated (and scored
-        # on the host) while step t trains (sage_jax/offpolicy.py). 0: on-policy, strictly serial
+        # on the host) while step t trains (sage_jax/training/offpolicy.py). 0: on-policy, strictly serial
         off_policy_steps=0))
 
     c.eval = ml_collections.ConfigDict(dict(

@@ -38,7 +38,7 @@ ARMS: dict[str, dict[str, Any]] = {
     "grpo_token": {"loss.guide": "token"},
     "grpo_rkl": RKL,
     # Branch as the authors ran it (k3, log q on the reference) and in the paper's form: k1 in the reward, whose
-    # stationary policy over completions is q * pi_ref * exp(r / beta) (tests/test_objectives.py)
+    # stationary policy over completions is q * pi_ref * exp(r / beta) (tests/rl/test_objectives.py)
     "grpo_branch": BRANCH,
     "grpo_branch_paper": RKL | BRANCH,
     # the nearest peers (objectives.py): an entropy bonus; TRL's top_entropy_quantile 0.2 (the policy gradient on

@@ -18,7 +18,7 @@ def get_config(arg=None):
     c.loss.guide = "branch"  # gamma 0.3, tau 1.2, q in [0.6, 1.4]: the defaults
     # Placement: on-policy and colocated (train.off_policy_steps 0, mesh.rollout_devices 0, from configs/base.py):
     # the paper's algorithm. `:async` trains one step off-policy (k = 1) on the placement phase_model PREDICTS best
-    # for v5p:4x4x2 with long-tailed lengths and the sampler's shrink stages (`python -m sage_jax.plan_placements
+    # for v5p:4x4x2 with long-tailed lengths and the sampler's shrink stages (`python -m sage_jax.plan.placements
     # --config configs/qwen7b_branch.py --chip v5p --chips 32`): split, the sampler on n = 8 chips (1 per host of 8,
     # as (data 2, tensor 4)) and training on the other 24 as (1, 6, 4): 1.14x the on-policy colocated tokens/s, against
     # 1.00x for k = 1 colocated and 0.76x / 0.38x for n = 16 / 24. A prediction, not a measurement (no TPU was used;

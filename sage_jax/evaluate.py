@@ -28,9 +28,9 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from sage_jax import cli, evaluation
-from sage_jax.eval_source import (ModelSource, checkpoint_steps, default_out, load_model,  # noqa: F401
-                                  load_tokenizer, read_run_config, resolve_model)
+from sage_jax.eval import passk as evaluation
+from sage_jax.run import cli
+from sage_jax.eval.source import ModelSource, checkpoint_steps, default_out, load_model, load_tokenizer, read_run_config, resolve_model
 
 COUNTDOWN_SETS = {"countdown": "test", "countdown_ood": "test_ood"}
 SETTINGS_FILE = "eval_settings.json"
@@ -145,14 +145,14 @@ def out_name(name: str) -> str:
 
 
 def load_examples(name: str, data_dir: str, limit: int, run_config: Any, data_seed: int) -> list[Any]:
-    """Examples of one dataset; countdown sets are regenerated as sage_jax.tasks.build made them for the run."""
+    """Examples of one dataset; countdown sets are regenerated as sage_jax.data.tasks.build made them for the run."""
     from sage_jax.data import loaders
     base, split = split_name(name)
     if base in COUNTDOWN_SETS:
         if run_config is None:
             examples = loaders.load_dataset("countdown", COUNTDOWN_SETS[base], seed=data_seed)
         else:
-            from sage_jax import tasks
+            from sage_jax.data import tasks
             run_config = run_config.copy_and_resolve_references()
             with run_config.unlocked():
                 run_config.seed = data_seed
@@ -261,7 +261,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
                 "max_new_tokens": args.max_new_tokens, "seed": args.seed, "data_seed": data_seed, "dtype": dtype}
     import jax
-    from sage_jax import sharding, tasks
+    from sage_jax.data import tasks
+    from sage_jax.models import sharding
     from sage_jax.data.templates import render, resolve_for as resolve_template
     from sage_jax.rewards.pool import RewardPool
     try:
@@ -311,7 +312,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    from sage_jax import sharding
+    from sage_jax.models import sharding
     sharding.initialize_distributed()
     summary = run(args)
     out = Path(summary["out"])

@@ -160,5 +160,5 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from sage_jax import cli
+    from sage_jax.run import cli
     cli.main_guard(main)

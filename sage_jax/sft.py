@@ -3,14 +3,16 @@
 Supervised warm-start only; `train` runs it automatically first when config.sft.steps > 0.
 """
 
-from sage_jax import cli
+from sage_jax.run import cli
 
 
 def main(argv=None) -> int:
     config, args = cli.parse(argv, "supervised fine-tuning on demonstrations")
     cli.setup_runtime(args.workdir)
     import os
-    from sage_jax import checkpoint, supervised, tasks
+    from sage_jax.data import tasks
+    from sage_jax.run import checkpoint
+    from sage_jax.training import supervised
     cfg, params = supervised.run_sft(config, os.path.join(args.workdir, "sft"))
     out = checkpoint.export_hf(os.path.join(args.workdir, "sft"), cfg, params, tasks.build(config).tokenizer)
     print(f"SFT done: {out}")

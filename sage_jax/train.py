@@ -1,12 +1,12 @@
 """python -m sage_jax.train --config configs/NAME.py[:arg] --workdir DIR [--config.key=value ...]"""
 
-from sage_jax import cli
+from sage_jax.run import cli
 
 
 def main(argv=None) -> int:
     config, args = cli.parse(argv, "SAGE / GRPO-family RL training")
     cli.setup_runtime(args.workdir)
-    from sage_jax import trainer
+    from sage_jax.training import trainer
     trainer.run(config, args.workdir)
     return 0
 

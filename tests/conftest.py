@@ -22,18 +22,18 @@ def _memory_maps() -> int:
 
 
 # XLA:CPU maps each compiled program's code and data into the process (one slot-pool equality test in
-# tests/test_sampler.py: ~5,000 maps), and JAX's caches keep every program alive. The whole suite in one process
-# reached Linux's default vm.max_map_count (65,530) in tests/test_sampler.py, where mmap fails inside XLA and jaxlib
+# tests/sampling/test_sampler.py: ~5,000 maps), and JAX's caches keep every program alive. The whole suite in one process
+# reached Linux's default vm.max_map_count (65,530) in tests/sampling/test_sampler.py, where mmap fails inside XLA and jaxlib
 # aborts or segfaults (CI exit 134 in an executable's serialize, 139 in compile or cache load; measured here: 63,804
 # maps, then exit 139). Past this many maps every compiled program is dropped after the test: the freed pages go
 # back, and the next programs compile again (or load from the persistent cache). Clearing after every test instead
-# held the peak at ~7,000 but made tests/test_sampler.py 1.3x slower.
+# held the peak at ~7,000 but made tests/sampling/test_sampler.py 1.3x slower.
 _CLEAR_ABOVE_MAPS = 16384
 _PEAK_MAPS = [0]
 
 
 def release_compiled_programs():
-    for name, attr in (("sage_jax.bench.train_step", "compiled_train_step"), ("sage_jax.sharding", "_replicator")):
+    for name, attr in (("sage_jax.bench.train_step", "compiled_train_step"), ("sage_jax.models.sharding", "_replicator")):
         module = sys.modules.get(name)  # lru_caches of compiled programs, where the module was imported
         if module is not None:
             getattr(module, attr).cache_clear()

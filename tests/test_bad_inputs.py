@@ -31,7 +31,7 @@ def _prepare_summary(tmp: Path) -> dict:
 def _prepare_other_model(tmp: Path) -> dict:
     """A checkpoint whose meta says it was made with another model width."""
     import jax.numpy as jnp
-    from sage_jax import checkpoint
+    from sage_jax.run import checkpoint
     ck = checkpoint.Checkpointer(tmp / "wd" / "rl")
     ck.save(1, {"w": jnp.zeros(2)}, {"rl_step": 1, "model": {"hidden_size": 32, "num_layers": 2}})
     ck.close()
@@ -41,7 +41,7 @@ def _prepare_other_model(tmp: Path) -> dict:
 def _prepare_seed0_checkpoint(tmp: Path) -> dict:
     """A checkpoint made with the tiny config as it is (seed 0, k3)."""
     import jax.numpy as jnp
-    from sage_jax import checkpoint, config, run_record
+    from sage_jax.run import checkpoint, config, record as run_record
     ck = checkpoint.Checkpointer(tmp / "wd" / "rl")
     ck.save(2, {"w": jnp.zeros(2)}, {"rl_step": 2, "config": run_record.as_record(config.load(str(ROOT / TINY)))})
     ck.close()
@@ -276,7 +276,7 @@ def test_evaluate_names_an_unknown_dataset():
 def test_a_truncated_safetensors_file_is_named_as_incomplete(tmp_path):
     import numpy as np
     from safetensors.numpy import save_file
-    from sage_jax import hf_io
+    from sage_jax.models import hf_io
     save_file({"w": np.zeros((64, 64), np.float32)}, str(tmp_path / "model.safetensors"))
     data = (tmp_path / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(data[:40])  # a download cut short
@@ -287,7 +287,7 @@ def test_a_truncated_safetensors_file_is_named_as_incomplete(tmp_path):
 def test_a_full_disk_is_one_error_line(tmp_path, monkeypatch):
     """orbax failing with ENOSPC mid-save: a CheckpointError naming the step and the fix (cli prints it alone)."""
     import jax.numpy as jnp
-    from sage_jax import checkpoint
+    from sage_jax.run import checkpoint
     ck = checkpoint.Checkpointer(tmp_path)
     ck.save(1, {"w": jnp.zeros(2)})
 

@@ -3,8 +3,8 @@
 import pytest
 
 import conftest
-from sage_jax import sampler
-from tests.test_sampler import CFG, PROMPTS, _random_params
+from sage_jax.sampling import sampler
+from tests.sampling.test_sampler import CFG, PROMPTS, _random_params
 
 
 def test_dropping_compiled_programs_returns_their_memory_maps():

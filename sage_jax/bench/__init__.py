@@ -11,5 +11,8 @@
   lora        lora.py       LoRA: per-device memory of the 7B configs, rollouts with unmerged adapters
   all         cli.py        sampler, then matmul, train_step, rl_step, memory and scaling with the same shapes
 
-The FLOP model they share is flops.py; timing, tables and JSON output are common.py.
+The FLOP model they share is flops.py; timing, tables and JSON output are common.py; the synthetic workloads
+(fixed and long-tailed completion lengths) are workloads.py.
+
+Imports: any core folder (top floor, beside experiments/ and plan/); plan/ may import bench/, never the reverse.
 """

@@ -1,6 +1,6 @@
 """python -m sage_jax.bench MODE [flags]: see sage_jax/bench/cli.py."""
 
-from sage_jax import cli  # first: it picks the platform before anything imports jax
+from sage_jax.run import cli  # first: it picks the platform before anything imports jax
 from sage_jax.bench import cli as bench_cli
 
 

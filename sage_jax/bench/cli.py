@@ -24,7 +24,7 @@ import argparse
 import sys
 from typing import Callable
 
-from sage_jax import workloads
+from sage_jax.bench import workloads
 from sage_jax.bench import common, gpu, lora, memory, rl_step, sampler, scaling, train_step
 from sage_jax.bench.common import DTYPES
 
@@ -77,7 +77,7 @@ def sampler_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hf-threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--workload", default="fixed", choices=list(workloads.WORKLOADS),
-                        help="sampler: completion lengths forced on both sides (see sage_jax.workloads)")
+                        help="sampler: completion lengths forced on both sides (see sage_jax.bench.workloads)")
     parser.add_argument("--group", type=int, default=None, help="sampler: samples per prompt (default 1; longtail 8)")
     parser.add_argument("--model", default=None, metavar="DIR",
                         help="sampler: time this HF model directory (both sides load it) instead of the presets")

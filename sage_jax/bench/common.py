@@ -11,8 +11,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from sage_jax import config as config_lib
-from sage_jax import guides, model, objectives
+from sage_jax.run import config as config_lib
+from sage_jax.models import decoder as model
+from sage_jax.rl import guides, objectives
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 REPO = Path(__file__).resolve().parents[2]

@@ -6,7 +6,8 @@ half too).
 
 from __future__ import annotations
 
-from sage_jax import model, sampler
+from sage_jax.models import decoder as model
+from sage_jax.sampling import sampler
 
 
 def layer_params(cfg: model.ModelConfig) -> int:

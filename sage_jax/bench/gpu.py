@@ -17,7 +17,9 @@ import statistics
 import jax
 import numpy as np
 
-from sage_jax import model, sampler, sharding, train_state
+from sage_jax.models import decoder as model, sharding
+from sage_jax.sampling import sampler
+from sage_jax.training import state as train_state
 from sage_jax.bench import common, flops
 from sage_jax.bench.common import OPTIM, SAGE_LOSS
 from sage_jax.bench.train_step import random_loss_batch

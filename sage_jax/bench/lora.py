@@ -19,8 +19,10 @@ import time
 import jax
 import numpy as np
 
-from sage_jax import config as config_lib
-from sage_jax import lora, model, plan, sampler
+from sage_jax.run import config as config_lib
+from sage_jax.models import lora, decoder as model
+from sage_jax.plan import memory as plan
+from sage_jax.sampling import sampler
 from sage_jax.bench import common
 
 GB = 1e9

@@ -8,7 +8,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from sage_jax import model
+from sage_jax.models import decoder as model
 from sage_jax.bench.common import DTYPES, print_table
 
 

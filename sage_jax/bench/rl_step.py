@@ -22,8 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sage_jax import config as config_lib
-from sage_jax import model, sampler, sharding, trainer, workloads
+from sage_jax.run import config as config_lib
+from sage_jax.bench import workloads
+from sage_jax.models import decoder as model, sharding
+from sage_jax.sampling import sampler
+from sage_jax.training import trainer
 from sage_jax.bench import common, flops, trl_peer
 from sage_jax.bench.common import print_table
 

@@ -7,7 +7,7 @@
 This sampler's tokens/s against transformers' `generate` (torch, CPU) on the same random weights, batch,
 prompt length and forced completion lengths (greedy): `--workload fixed` runs every row to --new-tokens (EOS
 ignored); `--workload longtail` (8 prompts x 8 samples, 512 new tokens by default) forces the same pre-drawn
-long-tailed lengths on both sides (sage_jax.workloads), transformers by a forced EOS, which stops a row as a real
+long-tailed lengths on both sides (sage_jax.bench.workloads), transformers by a forced EOS, which stops a row as a real
 one would. Only tokens before EOS count; the table gives each side's realised length quantiles. Warm-up runs are
 excluded; each number is the median of `--repeats` runs, ours and theirs interleaved (common.interleaved_seconds)
 so load from other processes hits both alike. With the fixed workload a third program in the same loop,
@@ -26,8 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sage_jax import kv_cache, model, workloads
-from sage_jax import sampler as sampler_lib
+from sage_jax.bench import workloads
+from sage_jax.models import kv_cache, decoder as model
+from sage_jax.sampling import sampler as sampler_lib
 from sage_jax.bench import common, flops
 from sage_jax.bench.common import DTYPES, print_table
 
@@ -174,7 +175,8 @@ def schedule_ceiling(cfg, params, prompt_len: int, new_tokens: int, lengths_N: n
     interpolated in W: "ideal_s", the decode of lengths_N with every step j computing exactly its live rows (a
     schedule no fixed set of widths beats, at this machine's costs), and "pool_s", the pool's own widths
     (phase_model.decode_batches). Our sampler's time over ideal_s is what its schedule and its loop leave."""
-    from sage_jax import decode_pool, phase_model
+    from sage_jax.plan import phase_model
+    from sage_jax.sampling import decode_pool
     N = len(lengths_N)
     widths = sorted({1, *decode_pool.stage_widths(N, 1)})
     L0, L1, L2 = max(1, new_tokens // 16), max(2, new_tokens // 4), max(3, new_tokens // 2)

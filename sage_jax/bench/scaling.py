@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sage_jax import sampler
+from sage_jax.sampling import sampler
 from sage_jax.bench import common, train_step
 from sage_jax.bench.common import print_table
 

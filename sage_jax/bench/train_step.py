@@ -14,7 +14,9 @@ import time
 import jax
 import numpy as np
 
-from sage_jax import model, objectives, train_state
+from sage_jax.models import decoder as model
+from sage_jax.rl import objectives
+from sage_jax.training import state as train_state
 from sage_jax.bench import common, flops
 from sage_jax.bench.common import DTYPES, OPTIM, SAGE_LOSS, print_table
 

@@ -1,4 +1,9 @@
-"""Problem sets, prompt templates and TFDS builders (import-light: no jax / tensorflow_datasets at import)."""
+"""Problem sets (loaders.py, tfds_builders.py, word_problems.py), prompt templates (templates.py), tokenizers
+(tokenizer.py) and tasks (tasks.py: a problem set, its reward and its tokenizer together). Import-light: no jax or
+tensorflow_datasets at import.
+
+Imports: rewards/.
+"""
 
 from sage_jax.data.loaders import DATASETS, Example, load_dataset, load_file
 from sage_jax.data.templates import TEMPLATES, render

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
-from sage_jax import sampler
+from sage_jax.sampling import sampler
 from sage_jax.rewards import countdown
 
 

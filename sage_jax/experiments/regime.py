@@ -22,7 +22,9 @@ import os
 import sys
 from typing import Any, Mapping, Sequence
 
-from sage_jax import config as config_lib, evaluation, tasks
+from sage_jax.data import tasks
+from sage_jax.eval import passk as evaluation
+from sage_jax.run import config as config_lib
 from sage_jax.experiments import reproduce, worklist
 from sage_jax.experiments.report import SPLIT_NAMES
 from sage_jax.experiments.stats import fmt, mean_ci, summarize_run
@@ -164,5 +166,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from sage_jax import cli
+    from sage_jax.run import cli
     cli.main_guard(main)

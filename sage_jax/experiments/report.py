@@ -8,7 +8,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from sage_jax import evaluation
+from sage_jax.eval import passk as evaluation
 from sage_jax.experiments import plots
 from sage_jax.experiments.stats import aggregate, fmt, holm, paired_diffs, paired_test, summarize_run
 from sage_jax.rewards import countdown

@@ -37,8 +37,10 @@ from typing import Any, Iterator, Mapping, Sequence
 import jax
 import numpy as np
 
-from sage_jax import config as config_lib
-from sage_jax import evaluation, rollouts, supervised, tasks, train_state, trainer
+from sage_jax.run import config as config_lib
+from sage_jax.data import tasks
+from sage_jax.eval import passk as evaluation
+from sage_jax.training import rollouts, supervised, state as train_state, trainer
 from sage_jax.experiments import measure, report, text
 from sage_jax.experiments.worklist import Job, arms_module, branch_taus, jobs, load_config
 from sage_jax.rewards import countdown
@@ -401,5 +403,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from sage_jax import cli
+    from sage_jax.run import cli
     cli.main_guard(main)

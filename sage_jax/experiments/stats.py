@@ -9,7 +9,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from sage_jax import evaluation
+from sage_jax.eval import passk as evaluation
 from sage_jax.rewards import countdown
 
 # two-sided 95% Student t quantiles t_{0.975, df}

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from sage_jax import cli
+from sage_jax.run import cli
 
 
 def bootstrap_ci(values: Sequence[float], iters: int = 4000, seed: int = 0) -> tuple[float, float, float]:
@@ -33,7 +33,7 @@ def bootstrap_ci(values: Sequence[float], iters: int = 4000, seed: int = 0) -> t
 
 
 def per_problem(records: Sequence[dict], k: int) -> dict[str, float]:
-    from sage_jax.evaluation import pass_at_k
+    from sage_jax.eval.passk import pass_at_k
     return {str(r["id"]): pass_at_k(int(r["n"]), int(r["num_correct"]), k) for r in records}
 
 
@@ -96,7 +96,9 @@ def generated_candidate(name: str, problems: int, seed: int):
 
 def measure(config, candidates: list[str], problems: int, n: int, out_dir: str) -> dict[str, Any]:
     import jax
-    from sage_jax import evaluation, model, tasks
+    from sage_jax.data import tasks
+    from sage_jax.eval import passk as evaluation
+    from sage_jax.models import decoder as model
     from sage_jax.rewards import math as math_reward
     cfg = params = None
     results: dict[str, Any] = {}
@@ -146,7 +148,7 @@ def main(argv=None) -> int:
     if args.compare:
         result = compare(_read(args.compare[0]), _read(args.compare[1]), [int(k) for k in args.ks.split(",")])
     else:
-        from sage_jax import config as config_lib
+        from sage_jax.run import config as config_lib
         config = config_lib.load(args.config, overrides)
         if args.max_new_tokens:
             config.eval.max_new_tokens = args.max_new_tokens

@@ -62,7 +62,7 @@ def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, swee
          base_record: Mapping[str, Any], records, sweep_records, wall: float, cpu: float, loads, arms_mod, full
          ) -> dict[str, Any]:
     """The report's metadata; `full` is the full-budget GRPO config, for the time estimate of a full run."""
-    from sage_jax import train_state
+    from sage_jax.training import state as train_state
     from sage_jax.rewards import countdown
     n = int(config.eval.n)
     splits = [s for s in SPLITS if s in base_record["eval"]]

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from sage_jax import config as config_lib
+from sage_jax.run import config as config_lib
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_FILE = ROOT / "configs" / "countdown_arms.py"

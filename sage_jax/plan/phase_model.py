@@ -1,0 +1,272 @@
+"""A PREDICTION of each phase of one RL step from a machine's peak FLOP/s and memory bandwidth (an analytic roofline
+beside roofline.py's compiled one), and of the step's placements: on-policy colocated, k = 1 colocated, k = 1 split.
+
+Each phase takes max(FLOPs / rate, bytes / bandwidth) (on a CPU their sum: Machine.overlap), summed over its calls
+(rate: the peak, or on a CPU the matmul rate measured at the phase's own shapes, by kind: dense layers, attention,
+unembedding):
+- prefill: every prompt once at its bucket; reads the weights once, after casting them to the compute dtype
+  (sampler.generate: model.compute_params; one pass over the float32 weights);
+- decode: one step per generated position j at the slot pool's width (S slots compute while any row is live; with
+  issue 26's shrink stages, narrower once the queue is empty: decode_batches), each reading every weight once (in
+  the compute dtype) and, per row, the KV cache written so far (prompt + j slots), plus a measured fixed and
+  per-row cost per step on a CPU;
+  the tail of a long-tailed batch is a run of steps with a few live rows that still read every weight;
+- reference: one forward over the trainer's own loss layout (loss_layout: padded rows, or packed rows with their
+  padding, logits at every packed position and, on XLA:CPU, dense attention over the whole packed row), plus the
+  non-matmul work (pointwise_elements: norms, residuals, RoPE, the gated MLP's product, the loss head);
+- update: forward + backward (3x forward) plus what the backward recomputes (attention, logits chunks; everything
+  with remat) and the optimizer's pass over the params and its two moments.
+Host work (rewards, tokenising) is the measured or given seconds. Collectives are not counted (assumed hidden).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+from sage_jax.sampling import sampler
+from sage_jax.bench import flops as bench_flops
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    flops_per_s: float      # matmul peak of one device
+    bytes_per_s: float      # memory bandwidth of one device
+    name: str = ""
+    link_bytes_per_s: float = 0.0  # per device across the cut between two sub-meshes (0: bytes_per_s)
+    decode_step_s: float = 0.0  # fixed cost of one decode step beyond its roofline (op launches; measured on a CPU)
+    decode_row_s: float = 0.0   # and per row it computes (sampling over the vocabulary, cache writes; measured)
+    overlap: bool = True  # memory traffic hides under compute (a TPU's roofline max); False: they add (XLA:CPU runs
+    #                       a bandwidth-bound op, e.g. the decode step's cache read, after the matmuls, not beside)
+
+
+def _bytes(dtype: str) -> int:
+    return 2 if dtype in ("bfloat16", "bf16", "float16") else 4
+
+
+def _kv_bytes_per_slot(cfg) -> float:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * _bytes(cfg.compute_dtype)
+
+
+def _both(compute_s, memory_s, m: Machine):
+    """One call's seconds from its compute and memory seconds: the roofline's max, or their sum (Machine.overlap)."""
+    return np.maximum(compute_s, memory_s) if m.overlap else compute_s + memory_s
+
+
+def stage_widths(slots: int, dp: int, new_tokens: int | None = None) -> list[int]:
+    """The decode pool's widths with shrink stages (issue 26): exactly the sampler's rule (decode_pool.stage_widths)."""
+    from sage_jax.sampling.decode_pool import stage_widths as pool_widths
+    return list(pool_widths(slots, dp, new_tokens))
+
+
+def decode_batches(lengths_N: np.ndarray, slots: int | None = None, stage_dp: int = 0
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """(rows computed, rows live), int [steps] each, for decode steps j = 1.. (the first token comes from the
+    prefill) of the slot pool (sampler.generate, decode_pool.py): S = `slots` (default every row) slots compute at
+    every step while any row is live, and a row that ends hands its slot to the next queued row.
+    stage_dp > 0: the pool shrinks in stages (stage_widths(S, stage_dp, the longest row's tokens), where the sampler
+    takes its completion bucket): once the queue is empty and the live rows fit in a narrower width, the following
+    steps compute the rows of the narrowest width holding them; 0: no stages, S rows at every step."""
+    lengths_N = np.asarray(lengths_N)
+    S = len(lengths_N) if not slots else min(int(slots), len(lengths_N))
+    free_S = np.zeros(S, np.int64)  # the step each slot frees up at; rows start in queue order on the first free
+    live = []
+    for n in lengths_N:
+        s = int(np.argmin(free_S))
+        live.append((free_S[s], free_S[s] + int(n)))
+        free_S[s] += int(n)
+    steps = int(free_S.max())
+    start_N, end_N = (np.array(x) for x in zip(*live))
+    j = np.arange(1, steps)
+    live_J = ((start_N[None, :] <= j[:, None]) & (end_N[None, :] > j[:, None])).sum(1)
+    rows_J = np.full(len(j), S)
+    if stage_dp > 0:
+        widths = stage_widths(S, stage_dp, int(lengths_N.max()))
+        width, queue_empty = S, j >= start_N.max()  # a row started at step j was in the queue until then
+        for i in range(len(j)):
+            while queue_empty[i] and any(w < width and live_J[i] <= w for w in widths):
+                width = max(w for w in widths if w < width)
+            rows_J[i] = width
+    return rows_J, live_J
+
+
+def generation(cfg, prompts: int, prompt_len: int, lengths_N: np.ndarray, m: Machine, devices: float = 1.0,
+               tensor: int = 1, slots: int | None = None, stage_dp: int | None = None) -> dict[str, float]:
+    """Seconds of sampler.generate on `devices` (rows over devices / tensor data shards, weights split `tensor`
+    ways): {"prefill_s", "decode_s", "tail_s" (the steps at no more than an eighth of the rows)}; stage_dp: the
+    pool's shrink stages (decode_batches; None: the sampler's, over devices / tensor row shards; 0: none)."""
+    if stage_dp is None:
+        stage_dp = max(1, int(round(devices / tensor)))
+    P = sampler.prompt_bucket(prompt_len)
+    D, V, w = cfg.hidden_size, cfg.vocab_size, _bytes(cfg.compute_dtype)
+    per_layer, per_slot, kv = bench_flops.layer_params(cfg), bench_flops.attention_per_key(cfg), _kv_bytes_per_slot(cfg)
+    # the weights are read in the compute dtype (sampler.generate casts them once: model.compute_params)
+    weights = cfg.num_params * w / tensor          # each data shard reads its tensor slice of every weight
+    shards = max(1.0, devices / tensor)
+    pw = _bytes(cfg.param_dtype)
+    cast = cfg.num_params * (pw + w) / devices / m.bytes_per_s if pw > w else 0.0  # each device its shard
+    prefill_f = prompts * (P * (2 * per_layer + per_slot * P) + 2 * D * V)
+    prefill = cast + _both(prefill_f / (m.flops_per_s * devices), weights / m.bytes_per_s, m)
+    rows_J, live_J = decode_batches(lengths_N, slots, stage_dp)
+    j = np.minimum(np.arange(1, len(rows_J) + 1), int(np.max(lengths_N)))  # a slot's position, at most its cache
+    flops_J = rows_J * (2 * per_layer + 2 * D * V + per_slot * (P + j))
+    # per device: its share of the rows' cache and FLOPs, its tensor slice of the weights
+    step_J = _both(flops_J / (m.flops_per_s * devices),
+                   (weights + rows_J / shards * (P + j) * kv / tensor) / m.bytes_per_s, m) \
+        + m.decode_step_s + m.decode_row_s * rows_J / shards
+    tail = live_J <= max(1, len(lengths_N) // 8)
+    return {"prefill_s": float(prefill), "decode_s": float(step_J.sum()), "tail_s": float(step_J[tail].sum())}
+
+
+def loss_layout(prompt_len: int, lengths_N: np.ndarray, packed: bool, slices: int = 1,
+                dense_attention_max: int = 0, max_new_tokens: int = 0) -> dict[str, float]:
+    """What the reference pass and the update compute on, from the layout the trainer builds (rollouts.build_batch):
+    {"positions" (the rows x row length the matmuls run on), "tokens" (real ones), "logit_positions" (where the
+    unembedding runs: padded, the completion bucket's; packed, every position, packing.completion_logprobs), "keys"
+    (keys per query the attention computes), "row_len"}. packed falls back to padded where packing.pack_if_smaller
+    does; dense_attention_max: rows up to this length run dense attention over the whole row (attention.naive,
+    XLA:CPU's auto), longer ones only within each sequence; max_new_tokens > 0 caps the completion bucket."""
+    from sage_jax.rl import packing
+    from sage_jax.training.rollouts import COMPLETION_BUCKETS
+    from sage_jax.data.tokenizer import bucket_length
+    lengths_N = np.asarray(lengths_N, np.int64)
+    N, C = len(lengths_N), bucket_length(int(lengths_N.max()), COMPLETION_BUCKETS)
+    C = min(C, max_new_tokens) if max_new_tokens > 0 else C
+    T, seq_N = prompt_len + C, prompt_len + lengths_N
+    tokens = float(seq_N.sum())
+    if packed and N % slices == 0:
+        S, lay = packing.choose_layout(seq_N, slices, T)
+        positions = S * lay.rows * lay.row_len
+        if positions <= (1 - packing.MIN_SAVING) * N * T:
+            keys = lay.row_len if lay.row_len <= dense_attention_max else float((seq_N ** 2).sum() / tokens)
+            return {"positions": float(positions), "tokens": tokens, "logit_positions": float(positions),
+                    "keys": float(keys), "row_len": float(lay.row_len)}
+    return {"positions": float(N * T), "tokens": tokens, "logit_positions": float(N * C), "keys": float(T),
+            "row_len": float(T)}
+
+
+def forward_flops(cfg, positions: float, logit_positions: float, keys: float) -> dict[str, float]:
+    """One forward's FLOPs by kind: "dense" (2 x the layers' matmul params per position), "attention" (over `keys`
+    per position), "unembed" (on logit_positions)."""
+    return {"dense": positions * 2 * bench_flops.layer_params(cfg),
+            "attention": positions * bench_flops.attention_per_key(cfg) * keys,
+            "unembed": logit_positions * 2 * cfg.hidden_size * cfg.vocab_size}
+
+
+def pointwise_elements(cfg, positions: float, logit_positions: float) -> float:
+    """Elements that one forward's non-matmul work reads and writes: per layer and position the two RMSNorms (read
+    and write D each), the two residual adds (read 2D, write D each), RoPE on q and k, SiLU(gate) x up (read 2I,
+    write I), the qkv bias and qk norm where the model has them; per logit position the loss head's log-softmax,
+    entropy and gather over the vocabulary (about 4V). Memory-bound work a matmul roofline does not count: on a TPU
+    it hides under the matmuls (the roofline's max), on a CPU it adds (Machine.overlap)."""
+    D, I, H = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    N, K = cfg.num_heads, cfg.num_kv_heads
+    per = 10 * D + 2 * (N + K) * H + 3 * I
+    per += 2 * (N + 2 * K) * H if cfg.qkv_bias else 0
+    per += 2 * (N + K) * H if cfg.qk_norm else 0
+    return positions * cfg.num_layers * per + logit_positions * 4 * cfg.vocab_size
+
+
+def _compute_s(flops: dict[str, float], m: Machine, devices: float, rates: dict[str, float] | None) -> float:
+    """Seconds of FLOPs by kind, each at its measured rate (rates[kind]) or the machine's peak."""
+    return sum(f / ((rates or {}).get(k, m.flops_per_s) * devices) for k, f in flops.items())
+
+
+def training(cfg, prompt_len: int, lengths_N: np.ndarray, m: Machine, devices: float = 1.0, packed: bool = True,
+             updates: int = 1, trained_params: int | None = None, slices: int = 1,
+             dense_attention_max: int = 0, max_new_tokens: int = 0, rates: dict[str, float] | None = None
+             ) -> dict[str, float]:
+    """{"ref_s", "update_s"} on `devices` (FSDP: FLOPs and weight reads split over them), on loss_layout's rows;
+    rates: FLOP/s by kind of matmul (forward_flops) measured at the layout's shapes, in place of the peak: "KIND"
+    forward, "KIND_update" forward + backward."""
+    lay = loss_layout(prompt_len, lengths_N, packed, slices, dense_attention_max, max_new_tokens)
+    f = forward_flops(cfg, lay["positions"], lay["logit_positions"], lay["keys"])
+    f_s = _compute_s(f, m, devices, rates)
+    # the update's forward + backward at each kind's measured forward + backward rate where given
+    update_rates = {k: (rates or {}).get(f"{k}_update") or (rates or {}).get(k, m.flops_per_s) for k in f}
+    # and what the backward recomputes: model.hidden's checkpoint policy keeps only the matmuls without batch
+    # dims (the attention einsums have them), the loss recomputes each logits chunk, remat recomputes everything
+    again = {"dense": f["dense"] if cfg.remat else 0.0, "attention": f["attention"], "unembed": f["unembed"]}
+    update_s = _compute_s({k: 3 * v for k, v in f.items()}, m, devices, update_rates) \
+        + _compute_s(again, m, devices, rates)
+    w = cfg.num_params * _bytes(cfg.param_dtype)
+    trained = cfg.num_params if trained_params is None else trained_params
+    # Adam in fp32: read param, grad, 2 moments; write param, 2 moments
+    opt_bytes = 7 * 4 * trained
+    # the non-matmul work, at its measured rate (elements/s: "pointwise", and "pointwise_update" for forward +
+    # backward) or as bytes at the memory bandwidth; the update's backward recomputes it once more (the checkpoint
+    # policy keeps only matmul outputs)
+    pw = pointwise_elements(cfg, lay["positions"], lay["logit_positions"]) / devices
+    if rates and "pointwise" in rates:
+        pw_ref = pw / rates["pointwise"]
+        pw_update = 3 * pw / (rates.get("pointwise_update") or rates["pointwise"]) + pw_ref  # as update_rates
+    else:
+        pw_ref = pw * _bytes(cfg.compute_dtype) / m.bytes_per_s
+        pw_update = 4 * pw_ref
+    ref = float(_both(f_s, w / (m.bytes_per_s * devices) + pw_ref, m))
+    update = updates * float(_both(update_s, (3 * w + opt_bytes) / (m.bytes_per_s * devices) + pw_update, m))
+    return {"ref_s": ref, "update_s": update}
+
+
+def predict_phases(cfg, prompts: int, prompt_len: int, lengths_N: Sequence[int], m: Machine, packed: bool = True,
+                   rates: dict[str, float] | None = None, dense_attention_max: int = 0) -> dict[str, float]:
+    """The bench's phases (generate_s, ref_s, update_s) on one device. rates: the matmul FLOP/s measured at the
+    phases' own shapes, in place of the machine's peak: "decode" (the decode step's), and "dense", "attention",
+    "unembed" (the training passes', forward_flops)."""
+    lengths_N = np.asarray(lengths_N)
+    rates = rates or {}
+    decode_m = dataclasses.replace(m, flops_per_s=rates.get("decode", m.flops_per_s))
+    g = generation(cfg, prompts, prompt_len, lengths_N, decode_m)
+    t = training(cfg, sampler.prompt_bucket(prompt_len), lengths_N, m, packed=packed,
+                 dense_attention_max=dense_attention_max, rates={k: v for k, v in rates.items() if k != "decode"})
+    return {"generate_s": g["prefill_s"] + g["decode_s"], **t}
+
+
+def placements(cfg, prompts: int, prompt_len: int, lengths_N: Sequence[int], m: Machine, chips: int, tensor: int,
+               host_s: float, splits: Sequence[int], packed: bool = True, stages: bool = True,
+               max_new_tokens: int = 0) -> list[dict[str, float]]:
+    """Step seconds of on-policy colocated, k = 1 colocated and k = 1 split (n chips sample, chips - n train) on a
+    slice of `chips`; host_s: the host's work per step (rewards, tokenising), hidden only off-policy. The weight
+    copy is counted at the link bandwidth across the cut (Machine.link_bytes_per_s) over the smaller side's chips.
+    stages: the decode pool shrinks in stages (decode_batches), dp = the sampling chips / tensor."""
+    lengths_N = np.asarray(lengths_N)
+    P = sampler.prompt_bucket(prompt_len)
+    rows = []
+
+    def gen(n):
+        g = generation(cfg, prompts, prompt_len, lengths_N, m, devices=n, tensor=tensor,
+                       stage_dp=max(1, n // tensor) if stages else 0)
+        return g["prefill_s"] + g["decode_s"], g["tail_s"]
+
+    def train(n):  # packed into one slice per data-parallel shard, as the trainer does
+        dp = max(1, n // tensor)
+        t = training(cfg, P, lengths_N, m, devices=n, packed=packed, slices=dp if len(lengths_N) % dp == 0 else 1,
+                     max_new_tokens=max_new_tokens)
+        return t["ref_s"] + t["update_s"]
+    g_all, tail_all = gen(chips)
+    device_s = g_all + train(chips)
+    tokens = float(len(lengths_N) * P + lengths_N.sum())
+    rows.append({"placement": "on-policy colocated", "n": chips, "generate_s": g_all, "tail_s": tail_all,
+                 "train_s": train(chips), "sync_s": 0.0, "host_s": host_s, "step_s": device_s + host_s})
+    rows.append({"placement": "k=1 colocated", "n": chips, "generate_s": g_all, "tail_s": tail_all,
+                 "train_s": train(chips), "sync_s": 0.0, "host_s": host_s, "step_s": max(device_s, host_s)})
+    weights = cfg.num_params * _bytes(cfg.compute_dtype)  # the sampler's weights (offpolicy.placement casts first)
+    for n in splits:
+        g, tail = gen(n)
+        tr = train(chips - n)
+        sync = weights / ((m.link_bytes_per_s or m.bytes_per_s) * min(n, chips - n))  # each byte crosses once
+        step = max(g, tr + sync, host_s)
+        rows.append({"placement": "k=1 split", "n": n, "generate_s": g, "tail_s": tail, "train_s": tr,
+                     "sync_s": sync, "host_s": host_s, "step_s": step})
+    base = rows[0]["step_s"]
+    for r in rows:
+        r["tokens_per_s"] = tokens / r["step_s"]
+        r["vs_on_policy"] = base / r["step_s"]
+    return rows
+
+
+def tensor_for(n: int, tensor: int) -> int:
+    return tensor if n % tensor == 0 else math.gcd(n, tensor)

@@ -1,0 +1,6 @@
+"""What a run is made of around the model: config.py (config files, overrides, checks), cli.py (flags, the runtime
+set-up, the error guard of every face), checkpoint.py (orbax checkpoints, export to HF), metrics_log.py,
+save_errors.py, guard.py (the workdir lock, stop on SIGTERM, the resume check), record.py (what a run records).
+
+Imports: models/, rewards/.
+"""

@@ -1,0 +1,108 @@
+"""Shared flag parsing and error reporting for the `python -m sage_jax.*` entry points."""
+
+from __future__ import annotations
+
+import argparse
+import logging as pylogging
+import os
+import sys
+import traceback
+from typing import Callable, Sequence
+
+
+def _cpu_unless_an_accelerator() -> None:
+    """libtpu (the memory plan's optional extra) makes every jax import try to start a TPU and print warnings; on a
+    machine with no TPU device files and no CUDA plugin the entry points run on the CPU quietly. A JAX_PLATFORMS the
+    user set wins."""
+    import glob
+    import importlib.util
+    if "JAX_PLATFORMS" in os.environ or importlib.util.find_spec("libtpu") is None:
+        return
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return
+    if any(importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+_cpu_unless_an_accelerator()  # before anything imports jax
+
+# Errors a user can act on: print one line, no traceback (set SAGE_DEBUG=1 to see it).
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, KeyError)
+
+
+def parse(argv: Sequence[str] | None, description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None):
+    """--config path.py[:arg] --workdir DIR [--config.key=value ...] -> (config, args)."""
+    from sage_jax.run import config as config_lib
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides, rest = config_lib.split_config_flags(argv)
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--config", required=True, help="configs/NAME.py[:arg]")
+    parser.add_argument("--workdir", required=True, help="checkpoints, logs and results go here (resumes if present)")
+    if extra:
+        extra(parser)
+    args = parser.parse_args(rest)
+    if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
+        raise config_lib.ConfigError(f"--workdir {args.workdir!r} is a file, not a directory: pass a directory path "
+                                     "(it is created if missing)")
+    return config_lib.validate(config_lib.load(args.config, overrides)), args
+
+
+def main_guard(fn: Callable[[], int | None]) -> None:
+    """Run an entry point; user errors exit with one clear line instead of a traceback. A SIGTERM ends it like a
+    Ctrl-C (exit 143 instead of 130); inside a training loop both stop at the next step boundary after a checkpoint
+    (run_guard.StepStop)."""
+    from sage_jax.run import config as config_lib
+    from sage_jax.run import guard as run_guard
+    from sage_jax.run.checkpoint import CheckpointError
+    from sage_jax.run.metrics_log import NonFiniteLossError
+    run_guard.raise_on_sigterm()
+    as_main = getattr(fn, "__module__", None) == "__main__"  # a `python -m` run, not a caller in this process
+    try:
+        sys.exit(fn() or 0)
+    except run_guard.Stopped as e:
+        print(e.message, file=sys.stderr)
+        if as_main:
+            _exit_now(e.code)
+        raise
+    except KeyboardInterrupt as e:
+        code = 143 if isinstance(e, run_guard.Terminated) else 130
+        what = "terminated (SIGTERM)" if code == 143 else "interrupted"
+        print(f"\n{what}: rerun the same command to resume from the last checkpoint", file=sys.stderr)
+        if as_main:
+            _exit_now(code)
+        sys.exit(code)
+    except (config_lib.ConfigError, NonFiniteLossError, CheckpointError, *USER_ERRORS) as e:
+        if os.environ.get("SAGE_DEBUG"):
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        if as_main:  # orbax / tensorstore threads still running would print tracebacks at interpreter shutdown
+            _exit_now(2)
+        sys.exit(2)
+    finally:
+        run_guard.release_all()
+
+
+def _exit_now(code: int) -> None:
+    """Exit without interpreter shutdown: after an interrupt, JAX, orbax and tensorstore threads may still be mid-call,
+    and finalising modules under them can crash the process (SIGSEGV). Saved checkpoints are complete or ignored."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    pylogging.shutdown()
+    from sage_jax.run import guard as run_guard
+    run_guard.release_all()  # os._exit skips the `finally` that would
+    os._exit(code)
+
+
+def setup_runtime(workdir: str) -> None:
+    """Distributed runtime, the workdir and its lock (held until the process ends: one run per workdir), logging."""
+    from sage_jax.models import sharding
+    from sage_jax.run import guard as run_guard
+    from sage_jax.run import metrics_log as slog
+    sharding.initialize_distributed()
+    os.makedirs(workdir, exist_ok=True)
+    run_guard.acquire(workdir)
+    slog.setup_python_logging(workdir, pylogging.INFO)

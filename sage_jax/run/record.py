@@ -1,0 +1,129 @@
+"""A resume with other settings: compare the config with the one the newest checkpoint was made with.
+
+Every checkpoint's meta holds the config it was trained with ("config"). On resume, a field outside MAY_CHANGE that
+differs stops the run with one line naming the fields, unless --config.train.allow_config_change=True: then the
+change is appended to WORKDIR/config_changes.json ({"step", "time", "changed": {field: {"checkpoint", "now"}},
+"config"}: the step it happened at and the whole new config) and WORKDIR/config.json, the run's first config, is
+left as it is (trainer.run_rl writes it only on a fresh start).
+"""
+
+from __future__ import annotations
+
+import datetime
+import fnmatch
+import json
+import logging as pylogging
+import os
+from typing import Any
+
+from sage_jax.run import config as config_lib
+
+log = pylogging.getLogger("sage_jax")
+
+# What a resume may change: how long to train, how often to save / evaluate / log, what the evaluations measure,
+# where the data lives, and how the same computation is laid out on the devices or cut into passes (memory and
+# speed, not the numbers): mesh, attention kernel, remat, logits chunk, log-prob rows, micro-batches, packing,
+# reward workers and their limits. Note that train.steps also sets the length of a cosine learning-rate schedule
+# and of the loss schedules (objectives.LossConfig total_steps), so more steps reshape those schedules' tails.
+MAY_CHANGE = ("train.steps", "train.ckpt_every", "train.keep_ckpts", "train.eval_every", "train.sample_every",
+              "train.progress", "train.use_tensorboard", "train.use_wandb", "train.export_hf", "train.reward_workers",
+              "train.reward_timeout", "train.reward_memory_mb", "train.logprob_rows", "train.packing",
+              "train.allow_config_change", "eval.*", "mesh.*", "model.attention", "model.remat",
+              "model.logits_chunk", "optim.grad_accum", "data.data_dir", "sft.ckpt_every")
+# an SFT checkpoint depends only on these (SFT sets its own lr, warm-up, schedule and weight decay); its length may
+# change too
+SFT_FIELDS = ("seed", "model.*", "tokenizer_path", "data.*", "sft.*", "optim.b1", "optim.b2", "optim.eps",
+              "optim.grad_clip")
+SFT_MAY_CHANGE = ("sft.steps",)
+
+CHANGES_FILE = "config_changes.json"
+
+
+def as_record(config) -> dict[str, Any]:
+    """The config as the JSON a checkpoint's meta stores (tuples become lists), for an exact comparison."""
+    from sage_jax.run.checkpoint import _jsonable
+    return _jsonable(config.to_dict())
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+    return out
+
+
+def _matches(key: str, patterns) -> bool:
+    return any(fnmatch.fnmatchcase(key, p) for p in patterns)
+
+
+def differences(saved: dict[str, Any], now: dict[str, Any], sft: bool = False) -> dict[str, dict[str, Any]]:
+    """{field: {"checkpoint": old, "now": new}} for every field outside MAY_CHANGE that differs."""
+    old, new = _flat(saved), _flat(now)
+    allowed = MAY_CHANGE + (SFT_MAY_CHANGE if sft else ())
+    out = {}
+    for key in sorted(set(old) | set(new)):
+        if _matches(key, allowed) or (sft and not _matches(key, SFT_FIELDS)):
+            continue
+        if old.get(key, "<absent>") != new.get(key, "<absent>"):
+            out[key] = {"checkpoint": old.get(key, "<absent>"), "now": new.get(key, "<absent>")}
+    return out
+
+
+def _saved_config(ckpt, step: int, workdir: str) -> dict[str, Any] | None:
+    meta = ckpt.read_meta(step)
+    if isinstance(meta, dict) and isinstance(meta.get("config"), dict):
+        return meta["config"]
+    path = os.path.join(workdir, "config.json")  # checkpoints written before meta held the config
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return saved if isinstance(saved, dict) else None
+
+
+def check_resume(config, ckpt, workdir: str, sft: bool = False) -> None:
+    """ConfigError if the newest checkpoint in `ckpt` was made with other settings (see module doc); call on every
+    process before restoring."""
+    step = ckpt.latest_step()
+    saved = None if step is None else _saved_config(ckpt, step, workdir)
+    if saved is None:
+        return
+    changed = differences(saved, as_record(config), sft=sft)
+    if not changed:
+        return
+    listing = "; ".join(f"{k}: checkpoint {v['checkpoint']!r}, now {v['now']!r}" for k, v in changed.items())
+    if not config.train.get("allow_config_change", False):
+        raise config_lib.ConfigError(
+            f"the checkpoint at step {step} in {ckpt.directory} was made with other settings ({listing}): rerun with "
+            "the original values, pass another --workdir, or add --config.train.allow_config_change=True to go on "
+            f"with the new ones (recorded in {os.path.join(workdir, CHANGES_FILE)})")
+    log.warning("resuming at step %d with changed settings (%s); recorded in %s", step, listing,
+                os.path.join(workdir, CHANGES_FILE))
+    import jax
+    if jax.process_index() == 0:
+        _append(os.path.join(workdir, CHANGES_FILE), {
+            "step": step, "time": datetime.datetime.now().isoformat(timespec="seconds"), "changed": changed,
+            "config": as_record(config)})
+
+
+def _append(path: str, entry: dict[str, Any]) -> None:
+    entries: list[Any] = []
+    if os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                entries = json.load(f)
+        except (OSError, ValueError):
+            entries = None
+        if not isinstance(entries, list):  # keep an unreadable record beside the new one rather than drop it
+            os.replace(path, path + ".unreadable")
+            log.warning("%s was not a JSON list; moved it to %s.unreadable", path, path)
+            entries = []
+    entries.append(entry)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(entries, f, indent=2, sort_keys=True, default=str)
+        f.write("\n")
+    os.replace(tmp, path)

@@ -1,0 +1,178 @@
+"""Batched generation: prefill each prompt once, then one jax.lax.while_loop over a fixed pool of decode slots,
+all in one jit (the program: sage_jax.sampling.decode_pool).
+
+Shapes are bucketed -- prompt length to a power of two (>= 16), new tokens to a power of two (>= 32) up to 512 and
+a multiple of 512 beyond -- and the real limits (one per row) are traced, so a training run compiles a handful of
+programs (`compile_count()`), one per (slots, prompt, new-token) bucket. Prompts are left-padded; `num_samples=G`
+prefills each prompt once and its G rows, which come out consecutively (prompt 0's G samples first), copy its cache.
+
+`slots` rows decode at once over one KV cache of slots x (prompt + new-token bucket) positions; the other rows wait
+in a queue and a row that stops hands its slot to the next one at the next step (default: a slot per row, one static
+batch); once the queue is empty the pool shrinks to the widths of decode_pool.stage_widths. Decode attention reads
+only the cache blocks written so far (kv_cache.cached_attention).
+
+Behaviour log-probs: `logprobs[b, j]` is log softmax(logits / T) of the sampled token *before* top-k / top-p / min-p
+truncation (log softmax(logits) when greedy, T = 0), the quantity the trainer recomputes for the policy at
+temperature T; 0 on padding. Row b's key at its step j is fold_in(fold_in(key, j), b), whatever slot it runs in and
+whenever, so no two rows or steps share one and the tokens do not depend on `slots`. Each row draws one uniform
+(inverse CDF) and top-p is found by bisection, so no step sorts or noises the vocabulary.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sage_jax.models import decoder as model_lib
+from sage_jax.models import sharding as sharding_lib
+# re-exported: sampler.generate_program / SamplerPlan / constrain_cache are what sage_jax.plan lowers
+from sage_jax.sampling.decode_pool import SamplerPlan, auto_slots, constrain_cache, generate_program, row_keys
+from sage_jax.models.decoder import ModelConfig, Params
+from sage_jax.sampling.filters import CDF_BLOCK, _first_max, _inverse_cdf, _nucleus_bits, _ordered_bits, filter_logits, sample_tokens
+
+
+class SampleOutput(NamedTuple):
+    tokens: jax.Array  # int32 [B, N], pad after a row stops; B = prompts * num_samples, N = max_new_tokens
+    lengths: jax.Array  # int32 [B], generated tokens including the EOS
+    finished: jax.Array  # bool [B], stopped by an EOS id (False: truncated at N)
+    logprobs: jax.Array  # float32 [B, N], behaviour log-probs (see module docstring), 0 on padding
+    prompt_tokens: jax.Array  # int32 [B, P], left-padded prompts (P = the prompt bucket), repeated per sample
+    prompt_mask: jax.Array  # bool [B, P], True on real prompt tokens
+    steps: jax.Array  # int32 [], decode steps run (fewer than N when every row stopped early)
+
+
+_PROGRAMS: set[tuple] = set()
+
+
+def compile_count() -> int:
+    """Distinct programs this process has asked `generate` to compile (one per static key)."""
+    return len(_PROGRAMS)
+
+
+def prompt_bucket(length: int, minimum: int = 16) -> int:
+    return max(minimum, 1 << max(length - 1, 0).bit_length())
+
+
+def new_tokens_bucket(n: int, minimum: int = 32, step: int = 512) -> int:
+    if n <= step:
+        return max(minimum, 1 << max(n - 1, 0).bit_length())
+    return -(-n // step) * step
+
+
+# --------------------------------------------------------------------------------------------------- public API
+
+def _data_parallel(mesh: Mesh | None) -> int:
+    return mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1
+
+
+def _mesh_of(params: Params) -> Mesh | None:
+    leaf = jax.tree.leaves(params)[0]
+    sh = getattr(leaf, "sharding", None)
+    if isinstance(sh, NamedSharding) and set(sharding_lib.MESH_AXES) <= set(sh.mesh.axis_names) \
+            and sh.mesh.size > 1:
+        return sh.mesh
+    return None
+
+
+def _slot_count(slots, cfg: ModelConfig, rows: int, prompts: int, P: int, C: int, mesh: Mesh | None) -> int:
+    """generate's `slots` as a number, rounded up to a multiple of data x fsdp."""
+    if slots == "auto":
+        slots = auto_slots(cfg, rows, prompts, P + C, P, mesh)
+    if slots is not None and slots != "all" and not (str(slots).isdigit() and int(slots) >= 1):
+        raise ValueError(f"slots={slots!r} must be an integer >= 1 (decode slots: rows decoded at once), 'auto' or "
+                         "'all'")
+    dp = _data_parallel(mesh)
+    return -(-(rows if slots in (None, "all") else int(slots)) // dp) * dp
+
+
+def _left_pad(prompts: Sequence[Sequence[int]], rows: int, width: int, pad_id: int):
+    tokens = np.full((rows, width), pad_id, np.int32)
+    mask = np.zeros((rows, width), np.bool_)
+    for b in range(rows):
+        p = prompts[b] if b < len(prompts) else prompts[0]  # filler rows repeat a real prompt; they start done
+        tokens[b, width - len(p):] = p
+        mask[b, width - len(p):] = True
+    return tokens, mask
+
+
+def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+             eos_ids: Sequence[int] | None = None, seed: int | jax.Array = 0, num_samples: int = 1,
+             pad_id: int | None = None, mesh: Mesh | None = None, unstack_layers: bool | None = None,
+             row_max_new_tokens: Sequence[int] | None = None, slots: int | str | None = None) -> SampleOutput:
+    """Sample `num_samples` completions of up to `max_new_tokens` for each prompt (lists of token ids).
+
+    temperature 0 is greedy. eos_ids defaults to cfg.eos_token_ids, pad_id to cfg.pad_token_id; seed may be an int
+    or a jax PRNG key. With a mesh (given, or the one params are sharded on) rows go over ("data", "fsdp") and KV
+    heads over "tensor"; the batch is padded internally to a multiple of the data-parallel size.
+    unstack_layers (default: on the CPU backend only) slices the stacked layer weights once before the decode loop;
+    see model.unstack_layers. row_max_new_tokens (one per output row, prompt-major, each <= max_new_tokens) stops
+    each row at its own budget, marked truncated. slots (default: one per row) is how many rows decode at once,
+    rounded up to a multiple of the data-parallel size; the others wait for a slot. The outputs do not depend on it.
+    slots="auto": as many as fit the device's free memory (decode_pool.auto_slots); "all": one per row.
+    """
+    prompts = [[int(t) for t in p] for p in prompts]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate needs at least one prompt and every prompt needs at least one token")
+    if max_new_tokens < 1 or num_samples < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} and num_samples={num_samples} must be >= 1")
+    if temperature < 0 or not 0 < top_p <= 1 or not 0 <= min_p < 1 or top_k < 0:
+        raise ValueError(f"bad sampling settings temperature={temperature} top_p={top_p} top_k={top_k} "
+                         f"min_p={min_p}: need temperature >= 0, 0 < top_p <= 1, 0 <= min_p < 1, top_k >= 0")
+    longest = max(len(p) for p in prompts)
+    if longest + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"prompt of {longest} tokens + max_new_tokens={max_new_tokens} exceeds the model's "
+                         f"max_position_embeddings={cfg.max_position_embeddings}; shorten prompts or generation")
+    vocab_ids = [t for p in prompts for t in p]
+    if min(vocab_ids) < 0 or max(vocab_ids) >= cfg.vocab_size:
+        raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size}); got {min(vocab_ids)}..{max(vocab_ids)}")
+    pad_id = cfg.pad_token_id if pad_id is None else int(pad_id)
+    eos_ids = tuple(cfg.eos_token_ids if eos_ids is None else (int(e) for e in eos_ids))
+    B, G = len(prompts), num_samples
+    limits = [max_new_tokens] * (B * G) if row_max_new_tokens is None else [int(n) for n in row_max_new_tokens]
+    if len(limits) != B * G or not all(1 <= n <= max_new_tokens for n in limits):
+        raise ValueError(f"row_max_new_tokens needs {B * G} entries (prompts x num_samples), each in "
+                         f"[1, max_new_tokens={max_new_tokens}]")
+
+    mesh = mesh if mesh is not None else _mesh_of(params)
+    dp = _data_parallel(mesh)
+    rows = B
+    while (rows * G) % dp:  # smallest padding that lets the N = rows * G decode rows split over data x fsdp
+        rows += 1
+    P, C = prompt_bucket(longest), new_tokens_bucket(max_new_tokens)
+    N = rows * G
+    if mesh is not None and _mesh_of(params) != mesh:
+        params = model_lib.shard_params(params, mesh, cfg=cfg)
+    params = model_lib.compute_params(cfg, params)  # read at every decode step: once in the compute dtype
+    S = _slot_count(slots, cfg, N, rows, P, C, mesh)
+    tokens_BxP, mask_BxP = _left_pad(prompts, rows, P, pad_id)
+    greedy = temperature == 0
+    plan = SamplerPlan(num_samples=G, new_bucket=C, greedy=greedy, top_k=0 if greedy or top_k >= cfg.vocab_size else top_k,
+                 use_top_p=not greedy and top_p < 1, use_min_p=not greedy and min_p > 0, mesh=mesh,
+                 unstack_layers=jax.default_backend() == "cpu" if unstack_layers is None else bool(unstack_layers),
+                 slots=S)
+    key = seed if isinstance(seed, jax.Array) else jax.random.key(int(seed))
+
+    per_row = (np.full((N, C), pad_id, np.int32), np.zeros((N, C), np.float32),
+               np.array(limits + [1] * (N - B * G), np.int32))  # filler rows start done whatever their limit
+    if mesh is not None:
+        put = lambda x: jax.device_put(x, sharding_lib.data_sharding(mesh, x.ndim) if x.shape[0] % dp == 0
+                                       else NamedSharding(mesh, PartitionSpec()))
+        tokens_BxP, mask_BxP = put(tokens_BxP), put(mask_BxP)
+        per_row = tuple(put(x) for x in per_row)
+        key = jax.device_put(key, NamedSharding(mesh, PartitionSpec()))
+    scalars = (np.int32(B * G), np.float32(temperature or 1.0), np.float32(top_p), np.float32(min_p), np.int32(pad_id))
+    eos_E = np.full(max(4, 1 << max(len(eos_ids) - 1, 0).bit_length()), -1, np.int32)  # -1 never matches
+    eos_E[:len(eos_ids)] = eos_ids
+    _PROGRAMS.add((cfg, plan, rows, P, len(eos_E), jax.tree.structure(params),
+                   tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree.leaves(params))))
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+        tokens, logp, lengths, finished, prompt_tokens, prompt_mask, steps = generate_program(
+            cfg, plan, params, tokens_BxP, mask_BxP, *per_row, *scalars, eos_E, key)
+    n = B * G
+    return SampleOutput(tokens=tokens[:n, :max_new_tokens], lengths=lengths[:n], finished=finished[:n],
+                        logprobs=logp[:n, :max_new_tokens], prompt_tokens=prompt_tokens[:n],
+                        prompt_mask=prompt_mask[:n], steps=steps)

@@ -1,0 +1,7 @@
+"""Training: trainer.py (rl_step and the RL loop), rollouts.py (prompts -> completions -> rewards), offpolicy.py (the
+rollout of step t + 1 while step t trains), state.py (the train state and the jitted update), supervised.py (SFT),
+step_timing.py.
+
+Imports: every core folder (models, sampling, rl, run, eval, data, rewards); nothing imports training but the faces,
+bench/, experiments/ and plan/.
+"""

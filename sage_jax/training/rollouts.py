@@ -1,0 +1,140 @@
+"""Rollouts for the RL step: sample G completions per prompt, score them (with DAPO's dynamic sampling), then
+shape them into the loss's batch layout (padded or packed)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from sage_jax.data import tasks
+from sage_jax.models import sharding
+from sage_jax.rl import objectives, packing
+from sage_jax.sampling import sampler
+from sage_jax.data.tokenizer import bucket_length
+
+COMPLETION_BUCKETS = tuple(32 * 2 ** i for i in range(12))
+
+
+def rollout(task: tasks.Task, cfg, params, examples, rollout_cfg, key, max_prompt_len: int) -> dict[str, Any]:
+    """Sample G completions per example. Host numpy arrays, rows grouped by prompt."""
+    prompts = [task.encode_prompt(ex)[-max_prompt_len:] for ex in examples]
+    out = sampler.generate(cfg, params, prompts, max_new_tokens=rollout_cfg.max_new_tokens,
+                           temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
+                           min_p=rollout_cfg.min_p, eos_ids=cfg.eos_token_ids, seed=key,
+                           num_samples=rollout_cfg.group_size, pad_id=cfg.pad_token_id,
+                           slots=getattr(rollout_cfg, "slots", None))
+    out = sharding.to_host(out)  # every process gets all rows (all-gathered across hosts)
+    G = rollout_cfg.group_size
+    lengths = np.asarray(out.lengths)
+    texts = [task.tokenizer.decode(row[:n]) for row, n in zip(np.asarray(out.tokens), lengths)]
+    return {"prompt_tokens": np.asarray(out.prompt_tokens), "prompt_mask": np.asarray(out.prompt_mask),
+            "tokens": np.asarray(out.tokens), "lengths": lengths, "finished": np.asarray(out.finished),
+            "sampler_logp": np.asarray(out.logprobs), "texts": texts,
+            "golds": [task.gold(ex) for ex in examples for _ in range(G)],
+            "prompts": [task.prompt_text(ex) for ex in examples for _ in range(G)]}
+
+
+def collect_rollouts(task: tasks.Task, cfg, config, pool, params, rl_step: int):
+    """Rollouts + rewards (+ DAPO dynamic sampling) for one RL step; host arrays. Bound to its first four
+    arguments (functools.partial) it is trainer.rl_step's CollectFn (`pool`: a rewards.pool.RewardPool)."""
+    ro_cfg, tr = config.rollout, config.train
+    G, B = ro_cfg.group_size, ro_cfg.prompts_per_step
+    parts, kept = [], 0
+    for attempt in range(1 + (tr.max_resample if tr.dynamic_sampling else 0)):
+        examples = task.train_batch(rl_step * (1 + tr.max_resample) + attempt if tr.dynamic_sampling else rl_step,
+                                    B, config.seed)
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.seed), rl_step), attempt)
+        ro = rollout(task, cfg, params, examples, ro_cfg, key, config.data.max_prompt_len)
+        # each process scores its own share of the rows; everyone gets all rewards back
+        mine = sharding.local_rows(len(ro["texts"]))
+        ro["rewards"] = sharding.allgather_rows(pool.score(ro["texts"][mine], ro["golds"][mine]).astype(np.float32))
+        ro["correct"] = (ro["rewards"] >= 1.0).astype(np.float32)
+        ro["rewards"] = ro["rewards"] + overlong_penalty(ro["lengths"], ro_cfg.max_new_tokens, tr.overlong_buffer,
+                                                         tr.overlong_penalty)
+        parts.append(ro)
+        if not tr.dynamic_sampling:
+            break
+        # DAPO filters on accuracy: a group whose rollouts differ only in the overlong penalty is still dropped
+        kept += int((~np.asarray(objectives.zero_variance_groups(ro["correct"], G))).sum())
+        if kept >= B:
+            break
+    ro = concat_rollouts(parts, cfg.pad_token_id)
+    zero_var = np.asarray(objectives.zero_variance_groups(ro["rewards"], G))
+    stats = {"rl/zero_var_groups": float(zero_var[:B].mean()) if not tr.dynamic_sampling else float(zero_var.mean())}
+    if tr.dynamic_sampling:
+        # informative groups first; degenerate ones only fill up what resampling could not
+        same_accuracy = np.asarray(objectives.zero_variance_groups(ro["correct"], G))
+        order = np.concatenate([np.flatnonzero(~same_accuracy), np.flatnonzero(same_accuracy)])[:B]
+        ro = take_rows(ro, (order[:, None] * G + np.arange(G)).reshape(-1))
+        stats["rl/resample_rounds"] = float(len(parts) - 1)
+    stats.update(pool.take_counts())
+    return ro, stats
+
+
+def _left_pad_to(a: np.ndarray, width: int, value) -> np.ndarray:
+    return np.pad(a, ((0, 0), (width - a.shape[1], 0)), constant_values=value)
+
+
+def concat_rollouts(parts: list[dict[str, Any]], pad_id: int) -> dict[str, Any]:
+    """Join rollouts whose prompt buckets may differ (left-pad prompts to the widest)."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(p["prompt_tokens"].shape[1] for p in parts)
+    out = {}
+    for k in parts[0]:
+        vals = [p[k] for p in parts]
+        if k in ("prompt_tokens", "prompt_mask"):
+            vals = [_left_pad_to(v, width, pad_id if k == "prompt_tokens" else False) for v in vals]
+        out[k] = np.concatenate(vals) if isinstance(vals[0], np.ndarray) else sum(vals, [])
+    return out
+
+
+def take_rows(ro: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
+    return {k: (v[rows] if isinstance(v, np.ndarray) else [v[i] for i in rows]) for k, v in ro.items()}
+
+
+def overlong_penalty(lengths: np.ndarray, max_len: int, buffer: int, penalty: float) -> np.ndarray:
+    """DAPO's soft overlong punishment: linear from 0 to -penalty over the last `buffer` tokens."""
+    if buffer <= 0:
+        return np.zeros_like(lengths, np.float32)
+    over = np.clip(lengths - (max_len - buffer), 0, buffer)
+    return (-penalty * over / buffer).astype(np.float32)
+
+
+def mini_batch_rows(rows: int, mini_batches: int, group_size: int, rl_step: int) -> np.ndarray:
+    """int [mini_batches, rows / mini_batches]: the rows of each mini-batch, whole prompt groups, shuffled per step
+    (the same for both layouts: packing.pack keeps each mini-batch's rows in its own run of slices)."""
+    groups = rows // group_size
+    if groups % mini_batches:
+        raise ValueError(f"optim.mini_batches={mini_batches} must divide the {groups} prompt groups per step")
+    g = np.random.default_rng(rl_step).permutation(groups).reshape(mini_batches, -1)
+    return (g[:, :, None] * group_size + np.arange(group_size)).reshape(mini_batches, -1)
+
+
+def build_batch(ro: dict[str, Any], advantages: np.ndarray, pad_id: int, max_new_tokens: int, packed: bool = False,
+                slices: int | Sequence[int] = 1, rows_multiple: int = 1, row_groups: np.ndarray | None = None
+                ) -> dict[str, np.ndarray]:
+    """Loss batch (objectives.loss_fn layout); completions trimmed to a length bucket to save compute.
+
+    packed: several rows' real tokens per row instead (packing.pack: `slices` slices, or the best of several
+    counts, of balanced rows within each mini-batch of row_groups, for packing.loss_fn / packing.sequence_logprobs),
+    so the model computes on real tokens only; kept padded where that would not save much
+    (packing.pack_if_smaller: equal lengths).
+    """
+    C = min(bucket_length(int(ro["lengths"].max(initial=1)), COMPLETION_BUCKETS), max_new_tokens)
+    comp = ro["tokens"][:, :C]
+    comp_mask = np.arange(C)[None, :] < ro["lengths"][:, None]
+    comp = np.where(comp_mask, comp, pad_id)
+    batch = {
+        "tokens": np.concatenate([ro["prompt_tokens"], comp], axis=1).astype(np.int32),
+        "mask": np.concatenate([ro["prompt_mask"], comp_mask], axis=1).astype(np.int32),
+        "completion_mask": comp_mask.astype(np.float32),
+        "advantages": advantages.astype(np.float32),
+        "sampler_logp": np.where(comp_mask, ro["sampler_logp"][:, :C], 0.0).astype(np.float32),
+        "truncated": ~ro["finished"],
+    }
+    if not packed:
+        return batch
+    return packing.pack_if_smaller(batch, slices, rows_multiple, pad_id, row_groups)

@@ -1,0 +1,57 @@
+import numpy as np
+
+from sage_jax.training import rollouts
+
+
+def _ro(lengths, P=3, C=40, pad=0, finished=None, start=10):
+    N = len(lengths)
+    lengths = np.asarray(lengths, np.int32)
+    tokens = (start + np.arange(N * C).reshape(N, C)).astype(np.int32)
+    return {"prompt_tokens": np.full((N, P), 7, np.int32), "prompt_mask": np.ones((N, P), bool),
+            "tokens": tokens, "lengths": lengths,
+            "finished": np.ones(N, bool) if finished is None else np.asarray(finished),
+            "sampler_logp": -np.ones((N, C), np.float32), "texts": [f"t{i}" for i in range(N)],
+            "golds": [i for i in range(N)]}
+
+
+def test_build_batch_trims_to_a_bucket_and_masks_past_each_length():
+    ro = _ro([3, 33, 1, 5], C=100, finished=[True, False, True, True])
+    batch = rollouts.build_batch(ro, np.arange(4, dtype=np.float32), pad_id=0, max_new_tokens=100)
+    assert batch["tokens"].shape == (4, 3 + 64)  # longest row 33 -> the 64 bucket
+    np.testing.assert_array_equal(batch["completion_mask"].sum(1), [3, 33, 1, 5])
+    comp = batch["tokens"][:, 3:]
+    assert (comp[batch["completion_mask"] == 0] == 0).all()  # pad past the length
+    np.testing.assert_array_equal(comp[1, :33], ro["tokens"][1, :33])
+    np.testing.assert_array_equal(batch["mask"][:, :3], 1)
+    assert (batch["sampler_logp"][batch["completion_mask"] == 0] == 0).all()
+    np.testing.assert_array_equal(batch["truncated"], [False, True, False, False])
+    assert batch["tokens"].dtype == np.int32 and batch["advantages"].dtype == np.float32
+
+
+def test_build_batch_never_exceeds_max_new_tokens():
+    batch = rollouts.build_batch(_ro([40, 2], C=40), np.zeros(2, np.float32), pad_id=0, max_new_tokens=40)
+    assert batch["tokens"].shape[1] == 3 + 40
+
+
+def test_concat_rollouts_left_pads_prompts_to_the_widest():
+    a, b = _ro([1, 2], P=2), _ro([3], P=4, start=500)
+    joined = rollouts.concat_rollouts([a, b], pad_id=0)
+    assert joined["prompt_tokens"].shape == (3, 4)
+    np.testing.assert_array_equal(joined["prompt_tokens"][0], [0, 0, 7, 7])
+    np.testing.assert_array_equal(joined["prompt_mask"][0], [False, False, True, True])
+    np.testing.assert_array_equal(joined["lengths"], [1, 2, 3])
+    assert joined["texts"] == ["t0", "t1", "t0"]
+    assert rollouts.concat_rollouts([a], pad_id=0) is a
+
+
+def test_take_rows_keeps_arrays_and_lists_aligned():
+    ro = rollouts.take_rows(_ro([1, 2, 3]), np.array([2, 0]))
+    np.testing.assert_array_equal(ro["lengths"], [3, 1])
+    assert ro["texts"] == ["t2", "t0"] and ro["golds"] == [2, 0]
+
+
+def test_overlong_penalty_is_linear_over_the_buffer():
+    lengths = np.array([10, 80, 90, 100])
+    np.testing.assert_allclose(rollouts.overlong_penalty(lengths, max_len=100, buffer=20, penalty=1.0),
+                               [0.0, 0.0, -0.5, -1.0])
+    np.testing.assert_array_equal(rollouts.overlong_penalty(lengths, 100, 0, 1.0), 0.0)
