@@ -265,7 +265,7 @@ def test_plan_rejects_bad_shapes_and_sizes(args, names):
 
 
 def test_evaluate_names_an_unknown_dataset():
-    from sage_jax import evaluate
+    from sage_jax.eval import offline as evaluate
     with pytest.raises(ValueError, match="unknown dataset 'bogusset'"):
         evaluate.reward_for("bogusset", "countdown")
     assert evaluate.reward_for("countdown", "countdown") == "countdown"
@@ -306,7 +306,7 @@ def test_a_full_disk_is_one_error_line(tmp_path, monkeypatch):
 _FAILING_SAVE = """
 import logging, resource, sys
 import jax
-from sage_jax import checkpoint, cli, metrics_log
+from sage_jax.run import checkpoint, cli, metrics_log
 
 def main():
     workdir, limit = sys.argv[1], int(sys.argv[2])

@@ -20,8 +20,7 @@ import jax
 import numpy as np
 
 from sage_jax.run import config as config_lib
-from sage_jax.models import lora, decoder as model
-from sage_jax.plan import memory as plan
+from sage_jax.models import build, lora, decoder as model
 from sage_jax.sampling import sampler
 from sage_jax.bench import common
 
@@ -35,7 +34,7 @@ def memory(args: argparse.Namespace) -> list[dict]:
     print("|---|---|---|---|---|")
     rows = []
     for name in CONFIGS:
-        cfg, _ = plan.resolve_model(config_lib.load(str(common.REPO / "configs" / f"{name}.py")))
+        cfg, _ = build.resolve_model(config_lib.load(str(common.REPO / "configs" / f"{name}.py")))
         n, n_lora = cfg.num_params, lora.num_params(cfg, lora.LoraConfig(rank=8, alpha=16.0))
         full = n * (4 + 8 + 2)  # fp32 weights, fp32 Adam mu and nu, bf16 reference
         adapted = n * 2 + n_lora * (4 + 8)  # one bf16 base (also the reference), fp32 adapters and their moments

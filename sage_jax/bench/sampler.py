@@ -174,8 +174,8 @@ def schedule_ceiling(cfg, params, prompt_len: int, new_tokens: int, lengths_N: n
     cost at W rows as a + b j at position j (the cache it reads grows with j; the prefill cancels). From them,
     interpolated in W: "ideal_s", the decode of lengths_N with every step j computing exactly its live rows (a
     schedule no fixed set of widths beats, at this machine's costs), and "pool_s", the pool's own widths
-    (phase_model.decode_batches). Our sampler's time over ideal_s is what its schedule and its loop leave."""
-    from sage_jax.plan import phase_model
+    (sampling.schedule.decode_batches). Our sampler's time over ideal_s is what its schedule and its loop leave."""
+    from sage_jax.sampling import schedule
     from sage_jax.sampling import decode_pool
     N = len(lengths_N)
     widths = sorted({1, *decode_pool.stage_widths(N, 1)})
@@ -192,7 +192,7 @@ def schedule_ceiling(cfg, params, prompt_len: int, new_tokens: int, lengths_N: n
         d1, d2 = (t[L1] - t[L0]) / (L1 - L0), (t[L2] - t[L1]) / (L2 - L1)  # at positions (L0+L1)/2, (L1+L2)/2
         b[w] = max(0.0, (d2 - d1) / ((L2 - L0) / 2))
         a[w] = max(0.0, d1 - b[w] * (L0 + L1) / 2)
-    rows_J, live_J = phase_model.decode_batches(lengths_N, None, stage_dp=1)
+    rows_J, live_J = schedule.decode_batches(lengths_N, None, stage_dp=1)
 
     def cost(r, j):
         return float(np.interp(r, widths, [a[w] + b[w] * j for w in widths]))

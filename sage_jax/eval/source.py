@@ -106,12 +106,12 @@ def load_model(source: ModelSource, tokenizer: Any, dtype: str, mesh: Any, rules
     import jax.numpy as jnp
     from sage_jax.models import hf_io
     from sage_jax.run import checkpoint
-    from sage_jax.training import state as train_state
+    from sage_jax.models import build
     from sage_jax.models import decoder as model_lib
     if source.kind == "hf":
         cfg, params = model_lib.load_hf(source.path, dtype=jnp.dtype(dtype), mesh=mesh, rules=rules)
         if source.run_config is not None:  # an export of a run: the same cfg as its checkpoints (one compile)
-            cfg = train_state.model_config(source.run_config, base=cfg)
+            cfg = build.model_config(source.run_config, base=cfg)
     else:
         config = source.run_config
         base = None
@@ -121,7 +121,7 @@ def load_model(source: ModelSource, tokenizer: Any, dtype: str, mesh: Any, rules
                 raise FileNotFoundError(f"the run started from {config.model.path}, whose config.json is needed to "
                                         "rebuild the model shape; make it available at that path")
             base = hf_io.config_from_hf(json.loads(hf_config.read_text()))
-        cfg = train_state.model_config(config, vocab_size=getattr(tokenizer, "vocab_size", None), base=base)
+        cfg = build.model_config(config, vocab_size=getattr(tokenizer, "vocab_size", None), base=base)
         cfg = cfg.replace(param_dtype=dtype)
         shardings = model_lib.param_shardings(cfg, mesh, rules)
         shapes = jax.eval_shape(lambda: model_lib.init_params(cfg, jax.random.key(0)))

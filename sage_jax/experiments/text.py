@@ -62,7 +62,7 @@ def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, swee
          base_record: Mapping[str, Any], records, sweep_records, wall: float, cpu: float, loads, arms_mod, full
          ) -> dict[str, Any]:
     """The report's metadata; `full` is the full-budget GRPO config, for the time estimate of a full run."""
-    from sage_jax.training import state as train_state
+    from sage_jax.models import build
     from sage_jax.rewards import countdown
     n = int(config.eval.n)
     splits = [s for s in SPLITS if s in base_record["eval"]]
@@ -71,7 +71,7 @@ def meta(config, budget: str, seeds: int, arms: Sequence[str], sweep: bool, swee
     counts = sorted({len(by_seed) for by_seed in records.values()})
     seeds_text = str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
     m = config.model
-    num_params = train_state.model_config(config, vocab_size=countdown.CountdownTokenizer().vocab_size).num_params
+    num_params = build.model_config(config, vocab_size=countdown.CountdownTokenizer().vocab_size).num_params
     description = (
         "RL from one shared SFT base on countdown (reach a target with + - * / using each given number once; "
         "verifiable, several distinct solutions per problem). The base's SFT demonstrations spread unevenly over "

@@ -32,9 +32,7 @@ reference pass) compile it once, and the report lists what came from the cache.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import os
 import re
@@ -43,7 +41,7 @@ import time
 from typing import Any, Sequence
 
 from sage_jax.plan import roofline
-from sage_jax.plan.report import format_report  # noqa: F401  (public here: plan.format_report)
+from sage_jax.plan.report import _fmt, format_report  # noqa: F401  (format_report: public here)
 
 GB = 1e9
 CHIPS_GB = {**{k: c.hbm_bytes / GB for k, c in roofline.CHIPS.items()}, "h100": 80.0, "h200": 141.0}
@@ -53,67 +51,7 @@ PROGRAMS = ("train_step", "sampler", "ref_logprobs")
 FAST_COMPILE_FLAGS = ("--xla_cpu_use_fusion_emitters=false", "--xla_backend_optimization_level=0",
                       "--xla_llvm_disable_expensive_passes=true")
 
-# HF checkpoint directory names -> (model preset, overrides), to plan without the checkpoint on this machine.
-KNOWN_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "qwen2.5-0.5b": ("qwen2.5-0.5b", {}),
-    "qwen2.5-1.5b": ("qwen2.5-1.5b", {}),
-    "qwen2.5-3b": ("qwen2.5-3b", {}),
-    "qwen2.5-7b": ("qwen2.5-7b", {}),
-    "qwen2.5-math-1.5b": ("qwen2.5-1.5b", dict(rope_theta=1e4, max_position_embeddings=4096)),
-    "qwen2.5-math-7b": ("qwen2.5-math-7b", dict(max_position_embeddings=4096)),
-    "qwen3-4b-base": ("qwen3-4b", dict(max_position_embeddings=32768)),
-    "deepseek-r1-distill-qwen-1.5b": ("qwen2.5-1.5b", dict(tie_embeddings=False, rope_theta=1e4,
-                                                           max_position_embeddings=131072)),
-    "deepseek-r1-distill-qwen-7b": ("qwen2.5-7b", dict(rope_theta=1e4, max_position_embeddings=131072)),
-}
-
-
-# --------------------------------------------------------------------------------------------------- flags, devices
-
-def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    """Our flags and the --config.key=value overrides; imports nothing heavy (JAX must not be loaded yet)."""
-    overrides = [a for a in argv if a.startswith("--config.")]
-    parser = argparse.ArgumentParser(prog="python -m sage_jax.plan", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="configs/NAME.py[:arg]")
-    parser.add_argument("--devices", type=int, default=0, help="number of devices (chips); with --compiler tpu "
-                        "it picks the slice's usual shape when --topology is not given")
-    memory = parser.add_mutually_exclusive_group()
-    memory.add_argument("--memory-gb", type=float, help="memory per device in GB (1e9 bytes); default: the chip's")
-    memory.add_argument("--chip", choices=sorted(CHIPS_GB), help="memory per device from a chip ("
-                        + ", ".join(f"{k} {v:.1f} GB" for k, v in CHIPS_GB.items()) + "); with --compiler tpu also "
-                        "the TPU generation to compile for (default v5p)")
-    parser.add_argument("--compiler", choices=("cpu", "tpu"), default="tpu" if roofline.available() else "cpu",
-                        help="tpu: libtpu's XLA:TPU for an abstract slice, with a predicted run time (the default "
-                             "when libtpu is installed); cpu: XLA:CPU on --devices simulated devices")
-    parser.add_argument("--topology", default="", help="TPU slice shape, e.g. 2x4x4 (v5p-64) or 4x4 (v5e-16)")
-    parser.add_argument("--layers", type=int, default=0, help="compile N and N+1 layers, extrapolate to full depth")
-    parser.add_argument("--no-compile", action="store_true", help="analytic bytes only (no activations); with "
-                        "--compiler tpu the prediction is still made unless --no-predict")
-    parser.add_argument("--no-predict", action="store_true", help="with --compiler tpu: memory only, no roofline")
-    parser.add_argument("--cache", default=None, help="compile cache directory (sage_jax.plan.cache; default "
-                        "$SAGE_JAX_PLAN_CACHE or ~/.cache/sage_jax/plan; 'off': compile everything)")
-    parser.add_argument("--programs", default=",".join(PROGRAMS), help="memory programs to compile, comma-separated "
-                        f"({', '.join(PROGRAMS)}); a subset skips the prediction (e.g. sampler: its breakdown only)")
-    parser.add_argument("--json", default="", help="write the report as one JSON line to this file ('-': stdout)")
-    args = parser.parse_args([a for a in argv if not a.startswith("--config.")])
-    if args.topology and not re.fullmatch(r"[1-9]\d*(x[1-9]\d*){1,2}", args.topology):
-        parser.error(f"--topology {args.topology!r} is not a slice shape: write AxB or AxBxC, e.g. 2x4x4 (v5p-64)")
-    if args.memory_gb is not None and not args.memory_gb > 0:
-        parser.error(f"--memory-gb {args.memory_gb:g}: must be > 0 (memory per device in GB)")
-    args.programs = tuple(p for p in args.programs.split(",") if p)
-    if not args.programs or set(args.programs) - set(PROGRAMS):
-        parser.error(f"--programs {','.join(args.programs)!r}: name some of {', '.join(PROGRAMS)}")
-    if args.compiler == "cpu" and args.devices < 1:
-        parser.error("--compiler cpu needs --devices N >= 1 (the number of simulated devices)")
-    if args.compiler == "tpu":
-        args.chip = args.chip or "v5p"
-        if args.chip not in roofline.CHIPS:
-            parser.error(f"--chip {args.chip} is not a TPU: pass --compiler cpu, or a TPU chip "
-                         f"({', '.join(roofline.CHIPS)})")
-        if not args.topology and args.devices < 1:
-            parser.error("--compiler tpu needs --topology AxBxC (or --devices N for the usual N-chip slice)")
-    return args, overrides
-
+# --------------------------------------------------------------------------------------------------- devices
 
 def simulate_devices(n: int) -> None:
     """Ask for n CPU devices: XLA_FLAGS before JAX's import, else check the process already has enough."""
@@ -132,33 +70,6 @@ def simulate_devices(n: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- model, shapes
-
-def resolve_model(config):
-    """(ModelConfig, where it came from): a local config.json, a known checkpoint name, or config.model.preset."""
-    from sage_jax.models import decoder as model_lib
-    from sage_jax.training import state as train_state
-    path = config.model.path
-    if not path:
-        vocab = None
-        if config.data.task == "countdown":
-            from sage_jax.rewards.countdown import CountdownTokenizer
-            vocab = CountdownTokenizer().vocab_size
-        return train_state.model_config(config, vocab_size=vocab), f"preset {config.model.preset or 'tiny'!r}"
-    config_json = os.path.join(path, "config.json")
-    if os.path.isfile(config_json):
-        from sage_jax.models import hf_io
-        with open(config_json) as f:
-            return train_state.model_config(config, base=hf_io.config_from_hf(json.load(f))), config_json
-    name = os.path.basename(os.path.normpath(path)).lower()
-    if name not in KNOWN_MODELS:
-        raise FileNotFoundError(
-            f"model path {path!r} has no config.json on this machine and {name!r} is not a known checkpoint name "
-            f"({', '.join(sorted(KNOWN_MODELS))}); copy its config.json there, or plan a preset with "
-            "--config.model.path= --config.model.preset=NAME")
-    preset, overrides = KNOWN_MODELS[name]
-    return (train_state.model_config(config, base=model_lib.preset(preset, **overrides)),
-            f"preset {preset!r} (by name: {path} is not on this machine)")
-
 
 # --------------------------------------------------------------------------------------------------- compile
 
@@ -308,7 +219,8 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
     mesh = sharding.make_mesh(tuple(config.mesh.shape), devices=found)
     cache = plan_cache.Cache(cache_dir, plan_cache.compiler_tag(mesh.devices))
     rules = dict(config.mesh.rules)
-    cfg, source = resolve_model(config)
+    from sage_jax.models import build
+    cfg, source = build.resolve_model(config)
     shapes = plan_programs.plan_shapes(config, mesh)
     static, warnings = analytic(cfg, config, mesh, rules, shapes)
     programs, measured = _compile_all(cfg, config, mesh, rules, shapes, layers, cache,
@@ -354,48 +266,3 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
         "prediction": prediction, "cache": {"dir": cache.directory, "hits": cache.hits},
     }
     return report | {"sampler_breakdown": plan_report.sampler_breakdown(report)}
-
-
-def prepare(args: argparse.Namespace) -> None:
-    """What must happen before JAX is imported."""
-    if args.compiler == "cpu":
-        simulate_devices(args.devices)
-    else:
-        roofline.prepare_environment()
-
-
-def _cpu_check(argv: Sequence[str]) -> bool:
-    """--chip cpu: the phase model against this machine's measured steps (plan_phases), not a config's plan."""
-    return "--chip=cpu" in argv or any(a == "--chip" and b == "cpu" for a, b in zip(argv, argv[1:]))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if _cpu_check(argv):
-        from sage_jax.plan import phase_check as plan_phases
-        return plan_phases.cpu_main(argv)
-    args, overrides = parse_flags(argv)
-    prepare(args)
-    from sage_jax.plan import cache as plan_cache
-    from sage_jax.run import config as config_lib
-    config = config_lib.load(args.config, overrides)
-    memory_gb = args.memory_gb or CHIPS_GB[args.chip or "v5p"]
-    report = run(config, args.devices, memory_gb, layers=args.layers, do_compile=not args.no_compile,
-                 config_name=args.config, compiler=args.compiler, chip=args.chip or "v5p", topology=args.topology,
-                 predict=not args.no_predict, cache_dir=args.cache or plan_cache.default_dir(), names=args.programs)
-    if args.compiler == "tpu" and not args.no_predict and report["prediction"]:  # the off-policy placements (phase_model: analytic)
-        from sage_jax.plan import phase_check as plan_phases
-        report["placements"] = plan_phases.placements_for(config, resolve_model(config)[0], args.chip or "v5p",
-                                                          report["chips"])
-    print(format_report(report))
-    if "placements" in report:
-        print(plan_phases.format_placements(report["placements"], args.chip or "v5p", report["chips"]))
-    if args.json:
-        line = json.dumps(report)
-        if args.json == "-":
-            print(line)
-        else:
-            with open(args.json, "w") as f:
-                f.write(line + "\n")
-    return 0 if report["fits"] else 1
-

@@ -7,7 +7,7 @@ unembedding):
 - prefill: every prompt once at its bucket; reads the weights once, after casting them to the compute dtype
   (sampler.generate: model.compute_params; one pass over the float32 weights);
 - decode: one step per generated position j at the slot pool's width (S slots compute while any row is live; with
-  issue 26's shrink stages, narrower once the queue is empty: decode_batches), each reading every weight once (in
+  issue 26's shrink stages, narrower once the queue is empty: sampling.schedule.decode_batches), each reading every weight once (in
   the compute dtype) and, per row, the KV cache written so far (prompt + j slots), plus a measured fixed and
   per-row cost per step on a CPU;
   the tail of a long-tailed batch is a run of steps with a few live rows that still read every weight;
@@ -28,6 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from sage_jax.sampling import sampler
+from sage_jax.sampling.schedule import decode_batches
 from sage_jax.bench import flops as bench_flops
 
 
@@ -54,43 +55,6 @@ def _kv_bytes_per_slot(cfg) -> float:
 def _both(compute_s, memory_s, m: Machine):
     """One call's seconds from its compute and memory seconds: the roofline's max, or their sum (Machine.overlap)."""
     return np.maximum(compute_s, memory_s) if m.overlap else compute_s + memory_s
-
-
-def stage_widths(slots: int, dp: int, new_tokens: int | None = None) -> list[int]:
-    """The decode pool's widths with shrink stages (issue 26): exactly the sampler's rule (decode_pool.stage_widths)."""
-    from sage_jax.sampling.decode_pool import stage_widths as pool_widths
-    return list(pool_widths(slots, dp, new_tokens))
-
-
-def decode_batches(lengths_N: np.ndarray, slots: int | None = None, stage_dp: int = 0
-                   ) -> tuple[np.ndarray, np.ndarray]:
-    """(rows computed, rows live), int [steps] each, for decode steps j = 1.. (the first token comes from the
-    prefill) of the slot pool (sampler.generate, decode_pool.py): S = `slots` (default every row) slots compute at
-    every step while any row is live, and a row that ends hands its slot to the next queued row.
-    stage_dp > 0: the pool shrinks in stages (stage_widths(S, stage_dp, the longest row's tokens), where the sampler
-    takes its completion bucket): once the queue is empty and the live rows fit in a narrower width, the following
-    steps compute the rows of the narrowest width holding them; 0: no stages, S rows at every step."""
-    lengths_N = np.asarray(lengths_N)
-    S = len(lengths_N) if not slots else min(int(slots), len(lengths_N))
-    free_S = np.zeros(S, np.int64)  # the step each slot frees up at; rows start in queue order on the first free
-    live = []
-    for n in lengths_N:
-        s = int(np.argmin(free_S))
-        live.append((free_S[s], free_S[s] + int(n)))
-        free_S[s] += int(n)
-    steps = int(free_S.max())
-    start_N, end_N = (np.array(x) for x in zip(*live))
-    j = np.arange(1, steps)
-    live_J = ((start_N[None, :] <= j[:, None]) & (end_N[None, :] > j[:, None])).sum(1)
-    rows_J = np.full(len(j), S)
-    if stage_dp > 0:
-        widths = stage_widths(S, stage_dp, int(lengths_N.max()))
-        width, queue_empty = S, j >= start_N.max()  # a row started at step j was in the queue until then
-        for i in range(len(j)):
-            while queue_empty[i] and any(w < width and live_J[i] <= w for w in widths):
-                width = max(w for w in widths if w < width)
-            rows_J[i] = width
-    return rows_J, live_J
 
 
 def generation(cfg, prompts: int, prompt_len: int, lengths_N: np.ndarray, m: Machine, devices: float = 1.0,
@@ -231,7 +195,7 @@ def placements(cfg, prompts: int, prompt_len: int, lengths_N: Sequence[int], m: 
     """Step seconds of on-policy colocated, k = 1 colocated and k = 1 split (n chips sample, chips - n train) on a
     slice of `chips`; host_s: the host's work per step (rewards, tokenising), hidden only off-policy. The weight
     copy is counted at the link bandwidth across the cut (Machine.link_bytes_per_s) over the smaller side's chips.
-    stages: the decode pool shrinks in stages (decode_batches), dp = the sampling chips / tensor."""
+    stages: the decode pool shrinks in stages (sampling.schedule.decode_batches), dp = the sampling chips / tensor."""
     lengths_N = np.asarray(lengths_N)
     P = sampler.prompt_bucket(prompt_len)
     rows = []

@@ -10,7 +10,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from sage_jax.plan import memory as plan, phase_check as plan_phases
+from sage_jax.models import build
+from sage_jax.plan import phase_check as plan_phases
 
 
 def placements_main(argv: Sequence[str] | None = None) -> int:
@@ -29,7 +30,7 @@ def placements_main(argv: Sequence[str] | None = None) -> int:
                         "(a multiple of the tensor axis), not only a quarter, half and three quarters of the chips")
     args = parser.parse_args([a for a in argv if not a.startswith("--config.")])
     config = config_lib.load(args.config, [a for a in argv if a.startswith("--config.")])
-    rows = plan_phases.placements_for(config, plan.resolve_model(config)[0], args.chip, args.chips, args.host_s,
+    rows = plan_phases.placements_for(config, build.resolve_model(config)[0], args.chip, args.chips, args.host_s,
                                       stages=not args.no_decode_stages, every_split=args.every_split)
     print(plan_phases.format_placements(rows, args.chip, args.chips))
     return 0

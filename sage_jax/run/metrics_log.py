@@ -1,7 +1,7 @@
 """Seeing the run: metrics to JSONL + TensorBoard (+ optional wandb), samples, a progress bar, one-step-late
 metric fetching, the NaN guard, and stdlib logging to console and WORKDIR/log.txt.
 
-Import as `from sage_jax import metrics_log as slog` (named so that it shadows no standard-library module).
+Import as `from sage_jax.run import metrics_log as slog` (named so that it shadows no standard-library module).
 Only the primary process (jax.process_index() == 0) writes files.
 """
 

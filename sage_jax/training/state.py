@@ -1,10 +1,9 @@
-"""The train state both RL and SFT use: model config, params born sharded, optimizer, the jitted train step, and
-the no-grad log-prob pass over completions."""
+"""The train state both RL and SFT use: optimizer, state born sharded, the jitted train step, and the no-grad
+log-prob pass over completions. The model config and params come from sage_jax.models.build."""
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import jax
@@ -14,45 +13,6 @@ import optax
 from sage_jax.models import lora, sharding
 from sage_jax.rl import objectives
 from sage_jax.models import decoder as model_lib
-
-
-# --------------------------------------------------------------------------------------------------- model
-
-def model_config(config, vocab_size: int | None = None, base: model_lib.ModelConfig | None = None
-                 ) -> model_lib.ModelConfig:
-    """ModelConfig from config.model: a loaded HF config (base) or a preset, plus non-zero size overrides."""
-    m = config.model
-    if base is None:
-        base = model_lib.preset(m.preset or "tiny")
-        sizes = {k: m[k] for k in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                                   "intermediate_size") if m[k]}
-        if vocab_size and not m.vocab_size:
-            sizes["vocab_size"] = vocab_size
-        if "hidden_size" in sizes or "num_heads" in sizes:
-            sizes["head_dim"] = sizes.get("hidden_size", base.hidden_size) // sizes.get("num_heads", base.num_heads)
-        base = base.replace(**sizes)
-    return base.replace(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat,
-                        scan_layers=m.scan_layers, logits_chunk=m.logits_chunk, attention=m.attention)
-
-
-def load_or_init_params(config, mesh, rules, tokenizer=None, path: str | None = None):
-    """(cfg, params) placed on the mesh: from an HF directory, or a seeded random init born sharded."""
-    path = config.model.path if path is None else path
-    if path:
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"model path {path!r} does not exist: set --config.model.path to a local Hugging "
-                                    "Face directory (config.json + *.safetensors)")
-        base, params = model_lib.load_hf(path, dtype=jnp.dtype(config.model.param_dtype), mesh=mesh, rules=rules)
-        cfg = model_config(config, base=base)
-    else:
-        cfg = model_config(config, vocab_size=getattr(tokenizer, "vocab_size", None))
-        shardings = model_lib.param_shardings(cfg, mesh, rules)
-        init = jax.jit(functools.partial(model_lib.init_params, cfg), out_shardings=shardings)
-        params = init(jax.random.key(config.seed))
-    if tokenizer is not None:
-        cfg = cfg.replace(eos_token_ids=tuple(tokenizer.eos_ids), pad_token_id=int(tokenizer.pad_id),
-                          bos_token_id=getattr(tokenizer, "bos_id", cfg.bos_token_id))
-    return cfg, params
 
 
 # --------------------------------------------------------------------------------------------------- optimizer

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sage_jax.data import tasks
-from sage_jax.models import decoder as model_lib, sharding
+from sage_jax.models import build, decoder as model_lib, sharding
 from sage_jax.run import checkpoint, guard as run_guard, record as run_record
 from sage_jax.training import state as train_state
 from sage_jax.run import metrics_log as slog
@@ -85,7 +85,7 @@ def run_sft(config, workdir: str, task: tasks.Task | None = None):
         ckpt = checkpoint.Checkpointer(workdir, keep=2)  # the newest may not be proven finite yet
         if (ckpt.latest_step() or 0) < s.steps:  # a finished SFT trains no more: its settings no longer matter
             run_record.check_resume(config, ckpt, workdir, sft=True)
-        cfg, params = train_state.load_or_init_params(config, mesh, rules, task.tokenizer)
+        cfg, params = build.load_or_init_params(config, mesh, rules, task.tokenizer)
         tokens, mask, loss_mask = tokenize(task, demonstrations(config, task), config.data.max_prompt_len +
                                            config.rollout.max_new_tokens)
         optim = config.optim.copy_and_resolve_references()

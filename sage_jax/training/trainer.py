@@ -20,7 +20,7 @@ import numpy as np
 
 from sage_jax.data import tasks
 from sage_jax.eval import passk as evaluation
-from sage_jax.models import lora, sharding
+from sage_jax.models import build, lora, sharding
 from sage_jax.rl import guides, objectives, packing
 from sage_jax.run import checkpoint
 from sage_jax.training import offpolicy, rollouts, supervised
@@ -204,7 +204,7 @@ def loss_config(config) -> objectives.LossConfig:
 def setup_rl(config, mesh, rules, tokenizer, params_override=None) -> tuple[RLContext, Any]:
     """(the RL context, the train state born sharded) for config on mesh; call under jax.set_mesh(mesh)."""
     optim = config.optim
-    cfg, params = train_state.load_or_init_params(config, mesh, rules, tokenizer)
+    cfg, params = build.load_or_init_params(config, mesh, rules, tokenizer)
     if params_override is not None:
         params = jax.device_put(params_override, model_lib.param_shardings(cfg, mesh, rules))
     ref_cfg = cfg.replace(compute_dtype=config.model.ref_dtype)

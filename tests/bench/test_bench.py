@@ -243,7 +243,6 @@ def test_user_error_exits_2_without_traceback():
 def test_schedule_ceiling_prices_each_step_at_its_live_rows(monkeypatch):
     """bench sampler --schedule-ceiling: from MEASURED static-batch step costs (here replaced by a known cost per
     width), every step at its live rows (ideal_s) and at the pool's widths (pool_s, never below it)."""
-    from sage_jax.plan import phase_model
     from sage_jax.sampling import decode_pool
     from sage_jax.bench import sampler as bench_sampler
     # t(n steps at w rows) = n (1 + w) ms + w n^2 / 2 us: a step at position j costs 1 + w + w j / 1000 ms (about)
@@ -255,7 +254,8 @@ def test_schedule_ceiling_prices_each_step_at_its_live_rows(monkeypatch):
     sc = bench_sampler.schedule_ceiling(model.preset("tiny"), None, 8, 128, lengths)
     assert set(sc["step_ms"]) == {1, *decode_pool.stage_widths(64, 1)}
     assert all(np.isclose(ms, 1 + w + w * 32 / 1e3, rtol=0.01) for w, ms in sc["step_ms"].items())  # at j = 32
-    rows_J, live_J = phase_model.decode_batches(lengths, None, stage_dp=1)
+    from sage_jax.sampling.schedule import decode_batches
+    rows_J, live_J = decode_batches(lengths, None, stage_dp=1)
     step = lambda r, j: 1 + r + r * j / 1e3
     assert np.isclose(sc["ideal_s"], sum(step(max(1, r), j) for j, r in enumerate(live_J, 1)) * 1e-3, rtol=0.01)
     assert np.isclose(sc["pool_s"], sum(step(r, j) for j, r in enumerate(rows_J, 1)) * 1e-3, rtol=0.01)

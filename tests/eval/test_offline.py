@@ -10,7 +10,9 @@ import pytest
 
 from sage_jax.eval import passk as evaluation
 from sage_jax.run import cli
-from sage_jax import evaluate as ev
+from sage_jax import evaluate
+from sage_jax.eval import offline as ev
+from sage_jax.models import build
 from tests.helpers_hf import tiny_hf_model, tiny_tokenizer
 
 PROBLEMS = {"What is 1 + 1?": "2", "What is 2 + 3?": "5", "What is 3 * 3?": "9"}
@@ -42,7 +44,7 @@ def tiny_set(tmp_path_factory):
 
 def _main(argv) -> int:
     with pytest.raises(SystemExit) as exit_info:
-        cli.main_guard(lambda: ev.main([str(a) for a in argv]))
+        cli.main_guard(lambda: evaluate.main([str(a) for a in argv]))
     return exit_info.value.code
 
 
@@ -185,7 +187,7 @@ def _countdown_workdir(workdir: Path) -> Path:
     from sage_jax.training import state as train_state
     from sage_jax.run import metrics_log as slog
     config = config_lib.load("configs/tiny_test.py")
-    cfg = train_state.model_config(config, vocab_size=tasks._CountdownTok().vocab_size)
+    cfg = build.model_config(config, vocab_size=tasks._CountdownTok().vocab_size)
     rng = np.random.default_rng(3)  # numpy init: compiling model.init_params costs more than this whole test
     params = jax.tree.map(lambda s: (0.3 * rng.standard_normal(s.shape)).astype(s.dtype),
                           jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0))))

@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from sage_jax import patterns
+from sage_jax import patterns as patterns_face
+from sage_jax.eval import patterns
 
 CRAFTED = {
     "contradiction": [
@@ -85,7 +86,7 @@ def test_compare_two_runs(tmp_path, capsys):
     assert "| contradiction | 0.000 | 0.500 | +0.500 |" in lines
     only = patterns.compare(a, b, only_correct=True)
     assert "grpo (n=1)" in only and "| direct_computation | 0.000 | 0.000 | +0.000 |" in only
-    patterns.main([str(a), str(b), "--out", str(tmp_path / "t.md")])
+    patterns_face.main([str(a), str(b), "--out", str(tmp_path / "t.md")])
     assert capsys.readouterr().out == table
     assert (tmp_path / "t.md").read_text() == table
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from sage_jax.models import hf_io, lora, decoder as model, sharding
+from sage_jax.models import build
 from tests.helpers_hf import tiny_hf_model, torch_logits
 
 CFG = model.preset("tiny", vocab_size=128, num_layers=2, hidden_size=32, num_heads=4, head_dim=8, num_kv_heads=2,
@@ -213,11 +214,11 @@ def _metrics(workdir):
 def test_rl_with_lora_trains_only_adapters_against_the_base(tmp_path):
     from sage_jax.data import tasks
     from sage_jax.run import checkpoint
-    from sage_jax.training import state as train_state, trainer
+    from sage_jax.training import trainer
     config = _lora_run_config(3, **{"train.export_hf": True})
     result = trainer.run_rl(config, str(tmp_path))
     cfg, policy = result.cfg, result.policy
-    _, init_base = train_state.load_or_init_params(config, sharding.make_mesh((1, -1, 1)), None,
+    _, init_base = build.load_or_init_params(config, sharding.make_mesh((1, -1, 1)), None,
                                                tasks.build(config).tokenizer)
     # the state is the adapters and their Adam moments; the base the policy runs on is the untouched initial weights
     assert set(result.state["params"]) == set(lora.MODULES)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from sage_jax.plan import memory as plan, roofline
+from sage_jax.plan import cli as plan_cli, memory as plan, roofline
+from sage_jax.models import build
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = "configs/tiny_test.py"
@@ -60,12 +61,15 @@ def report(runs):
 # Independent of plan.py: real params and state made as trainer.run_rl makes them, real batch arrays.
 INDEPENDENT = r"""
 import json, os, sys, types
-from sage_jax.plan import FAST_COMPILE_FLAGS
+from sage_jax.plan.memory import FAST_COMPILE_FLAGS
 os.environ["XLA_FLAGS"] = " ".join(["--xla_force_host_platform_device_count=8", *FAST_COMPILE_FLAGS])
 os.environ["JAX_PLATFORMS"] = "cpu"
 import dataclasses, jax, jax.numpy as jnp, numpy as np
-from sage_jax import config as config_lib, model as model_lib, objectives, sharding, train_state, trainer
+from sage_jax.models import build, decoder as model_lib, sharding
 from sage_jax.rewards.countdown import CountdownTokenizer
+from sage_jax.rl import objectives
+from sage_jax.run import config as config_lib
+from sage_jax.training import state as train_state, trainer
 
 config = config_lib.load("configs/tiny_test.py")
 mesh, rules = sharding.make_mesh(tuple(config.mesh.shape)), dict(config.mesh.rules)
@@ -77,7 +81,7 @@ on_device0 = lambda tree: sum(next(s.data.nbytes for s in x.addressable_shards i
 stats = lambda c: {k: getattr(c.memory_analysis(), f"{k}_size_in_bytes") for k in
                    ("argument", "output", "alias", "temp")} | {"code": c.memory_analysis().generated_code_size_in_bytes}
 with jax.set_mesh(mesh), sharding.use_rules(rules):
-    cfg, params = train_state.load_or_init_params(config, mesh, rules, tokenizer)
+    cfg, params = build.load_or_init_params(config, mesh, rules, tokenizer)
     shard_sum = sum(int(np.prod(sh.shard_shape(x.shape))) * x.dtype.itemsize for x, sh in zip(
         jax.tree.leaves(params), jax.tree.leaves(model_lib.param_shardings(cfg, mesh, rules))))
     tx, schedule = train_state.make_optimizer(config.optim, config.train.steps)
@@ -217,16 +221,16 @@ def test_simulate_devices_refuses_more_devices_than_the_process_has():
 def test_model_from_a_known_checkpoint_name_or_a_local_config_json(tmp_path):
     from sage_jax.models import hf_io, decoder as model
     from sage_jax.run import config as config_lib
-    cfg, source = plan.resolve_model(config_lib.load("configs/qwen7b_branch.py"))
+    cfg, source = build.resolve_model(config_lib.load("configs/qwen7b_branch.py"))
     assert "qwen2.5-math-7b" in source
     assert (cfg.vocab_size, cfg.num_layers, cfg.tie_embeddings, cfg.remat) == (152064, 28, False, True)
-    cfg, _ = plan.resolve_model(config_lib.load("configs/r1distill7b_branch.py"))
+    cfg, _ = build.resolve_model(config_lib.load("configs/r1distill7b_branch.py"))
     assert (cfg.vocab_size, cfg.hidden_size, cfg.tie_embeddings) == (152064, 3584, False)
     (tmp_path / "config.json").write_text(json.dumps(hf_io.config_to_hf(model.preset("small"))))
-    cfg, source = plan.resolve_model(config_lib.load(TINY, [f"--config.model.path={tmp_path}"]))
+    cfg, source = build.resolve_model(config_lib.load(TINY, [f"--config.model.path={tmp_path}"]))
     assert source.endswith("config.json") and cfg.hidden_size == model.PRESETS["small"].hidden_size
     with pytest.raises(FileNotFoundError, match="not a known checkpoint name"):
-        plan.resolve_model(config_lib.load(TINY, ["--config.model.path=/nowhere/MyModel-9B"]))
+        build.resolve_model(config_lib.load(TINY, ["--config.model.path=/nowhere/MyModel-9B"]))
 
 
 def test_extrapolate_is_linear_in_layers():
@@ -325,7 +329,7 @@ def test_cost_extrapolation_equals_the_unrolled_program_and_the_scanned_one_unde
     import jax
     config = config_lib.load(TINY, ["--config.model.num_layers=3"])
     mesh, _ = _tpu_mesh_in_process()
-    cfg, _ = plan.resolve_model(config)
+    cfg, _ = build.resolve_model(config)
     rules, shapes = dict(config.mesh.rules), pp.plan_shapes(config, mesh)
     rows = roofline.call_rows(config, shapes)["ref_logprobs"]
     predicted = roofline.measure_costs(cfg, config, mesh, rules, shapes, programs=("ref_logprobs",))["ref_logprobs"]
@@ -407,7 +411,7 @@ def test_prediction_sums_each_program_times_its_calls():
     from sage_jax.plan import programs as plan_programs
     from sage_jax.run import config as config_lib
     config = config_lib.load(TINY, ["--config.train.logprob_rows=8", "--config.train.steps=10"])
-    cfg, _ = plan.resolve_model(config)
+    cfg, _ = build.resolve_model(config)
     shapes = plan_programs.plan_shapes(config, sharding.make_mesh((1, -1, 1)))
     costs = {name: {"flops": 1e12, "bytes": 1e9, "optimal_seconds": 0.0, "loops": 0.0, "kernels": 0.0}
              for name in ("train_step", "ref_logprobs", "prefill", "decode_step")}
@@ -445,10 +449,11 @@ def test_decode_is_modelled_at_the_slot_pool_and_every_tail_step_reads_the_weigh
     from sage_jax.plan import phase_model
     cfg = model.preset("small")
     lengths = workloads.longtail_lengths(64, 256)
-    rows, live = phase_model.decode_batches(lengths)
+    from sage_jax.sampling.schedule import decode_batches
+    rows, live = decode_batches(lengths)
     assert (rows == 64).all() and len(rows) == lengths.max() - 1  # every slot computes until the longest row ends
     assert (live == np.array([(lengths > j).sum() for j in range(1, lengths.max())])).all()
-    half, half_live = phase_model.decode_batches(lengths, slots=32)
+    half, half_live = decode_batches(lengths, slots=32)
     assert (half == 32).all() and (half_live <= 32).all() and half_live.sum() == live.sum() + 32  # refilled
     assert len(half) >= -(-int(lengths.sum()) // 32) - 1
     m = _phase_machine()
@@ -479,8 +484,8 @@ def test_placements_add_up_and_hide_the_host_only_off_policy():
 
 
 def test_plan_chip_cpu_goes_to_the_phase_check():
-    assert plan._cpu_check(["--chip", "cpu"]) and plan._cpu_check(["--chip=cpu", "--presets", "tiny"])
-    assert not plan._cpu_check(["--chip", "v5p", "--config", "x.py"])
+    assert plan_cli.cpu_check(["--chip", "cpu"]) and plan_cli.cpu_check(["--chip=cpu", "--presets", "tiny"])
+    assert not plan_cli.cpu_check(["--chip", "v5p", "--config", "x.py"])
 
 
 def test_sampler_only_plan_and_its_breakdown_add_up():
@@ -495,7 +500,7 @@ def test_sampler_only_plan_and_its_breakdown_add_up():
     assert set(r["programs"]) == {"sampler"} == set(r["phases"]) and r["prediction"] is None
     assert any("only sampler compiled" in w for w in r["warnings"])
     b, a, s, p = r["sampler_breakdown"], r["analytic"], r["shapes"], r["programs"]["sampler"]
-    cfg, _ = plan.resolve_model(config)
+    cfg, _ = build.resolve_model(config)
     dp, tp = r["mesh"]["data"] * r["mesh"]["fsdp"], r["mesh"]["tensor"]
     kv_heads = cfg.num_kv_heads // tp if cfg.num_kv_heads % tp == 0 else cfg.num_kv_heads
     per_position = 2 * cfg.num_layers * kv_heads * cfg.head_dim * 2  # k and v, bf16

@@ -1,40 +1,10 @@
-"""phase_model: the decode pool's shrink stages (issue 26's rule, modelled here) and the training passes' layout."""
+"""phase_model: the decode pool's shrink stages priced, and the training passes' layout."""
 
 import numpy as np
 
 from sage_jax.bench import workloads
 from sage_jax.models import decoder as model
 from sage_jax.plan import phase_model
-
-
-def test_stage_widths_keep_the_multiples_of_the_row_shards():
-    from sage_jax.sampling import decode_pool
-    assert phase_model.stage_widths(64, 1) == [64, 56, 48, 40, 32, 28, 24, 20, 16, 14, 12, 10, 8, 6, 4, 2]
-    assert phase_model.stage_widths(64, 16) == [64, 32]  # at least 2 slots per row shard
-    assert phase_model.stage_widths(4, 1) == [4, 2]
-    assert phase_model.stage_widths(48, 8) == [48, 32, 16]  # 6, 4, 2 slots per shard
-    for slots, dp in [(64, 1), (64, 8), (48, 8), (32, 4), (24, 3)]:  # the model's rule is the sampler's
-        assert phase_model.stage_widths(slots, dp) == list(decode_pool.stage_widths(slots, dp))
-
-
-def test_decode_stages_shrink_only_once_the_queue_is_empty():
-    rows, live = phase_model.decode_batches(np.array([10, 2, 2, 2]), slots=4, stage_dp=1)
-    assert rows.tolist() == [4] + [2] * 8 and live.tolist() == [4] + [1] * 8  # widths 4, 2: at least 2 slots
-    assert (phase_model.decode_batches(np.array([10, 2, 2, 2]), slots=4)[0] == 4).all()  # default: no stages
-    # 8 slots, 12 rows: the last 4 wait in the queue and start at step 1, so the pool keeps its 8 slots while 5 are
-    # live (10 tokens at most: halving widths 8, 4, 2), and shrinks to 2 once the queue is empty and one row is left
-    rows, live = phase_model.decode_batches(np.array([10] + [2] * 11), slots=8, stage_dp=1)
-    assert rows.tolist() == [8, 8, 8] + [2] * 6 and live.tolist() == [8, 5, 5] + [1] * 6
-    # with 128 tokens or more, the fine widths: 6 fits the 5 live rows once the queue is empty
-    rows, live = phase_model.decode_batches(np.array([130] + [2] * 11), slots=8, stage_dp=1)
-    assert rows[:3].tolist() == [8, 6, 6] and rows[-1] == 2
-    lengths = workloads.longtail_lengths(64, 256)
-    for dp in (1, 8, 16):
-        rows, live = phase_model.decode_batches(lengths, stage_dp=dp)
-        assert (rows >= live).all() and (np.diff(rows) <= 0).all()
-        assert set(rows.tolist()) <= set(phase_model.stage_widths(64, dp))
-    assert phase_model.decode_batches(lengths, stage_dp=8)[0].min() == 16
-    assert phase_model.decode_batches(lengths, stage_dp=16)[0].min() == 32
 
 
 def test_stages_cut_the_long_tail_not_equal_lengths():

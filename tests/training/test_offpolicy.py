@@ -172,10 +172,10 @@ def test_make_meshes_splits_the_devices():
 
 def test_qwen7b_async_preset_takes_the_predicted_placement_and_the_default_stays_on_policy():
     from sage_jax.run import config as config_lib
-    from sage_jax.plan import phase_model
     on_policy = config_lib.load("configs/qwen7b_branch.py", [])
     assert on_policy.train.off_policy_steps == 0 and on_policy.mesh.rollout_devices == 0  # the paper's algorithm
     fast = config_lib.load("configs/qwen7b_branch.py:async", [])
     assert fast.train.off_policy_steps == 1 and fast.mesh.rollout_devices == 8
     # the sampler's 8 chips as (data 2, tensor 4) leave stage widths the model prices (at least 2 slots per shard)
-    assert phase_model.stage_widths(fast.rollout.prompts_per_step * fast.rollout.group_size, 2)[-1] >= 4
+    from sage_jax.sampling import decode_pool
+    assert decode_pool.stage_widths(fast.rollout.prompts_per_step * fast.rollout.group_size, 2)[-1] >= 4

@@ -14,6 +14,7 @@ import pytest
 from sage_jax.run import config as config_lib
 from sage_jax.rl import objectives
 from sage_jax.training import state as train_state, trainer
+from sage_jax.models import build
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -36,7 +37,7 @@ def _fake_batch(cfg, N=8, P=6, C=5, seed=0):
 
 def test_one_train_step_changes_params_and_reports_metrics():
     config = _tiny()
-    cfg = train_state.model_config(config, vocab_size=23)
+    cfg = build.model_config(config, vocab_size=23)
     params = jax.jit(lambda: __import__("sage_jax.models.decoder", fromlist=["x"]).init_params(cfg, jax.random.key(0)))()
     before = jax.tree.map(np.asarray, params)
     tx, schedule = train_state.make_optimizer(config.optim, 10)
@@ -55,7 +56,7 @@ def test_one_train_step_changes_params_and_reports_metrics():
 
 def test_grad_accumulation_matches_full_batch():
     config = _tiny()
-    cfg = train_state.model_config(config, vocab_size=23)
+    cfg = build.model_config(config, vocab_size=23)
     from sage_jax.models import decoder as model
     params = model.init_params(cfg, jax.random.key(0))
     tx, schedule = train_state.make_optimizer(config.optim, 10)
@@ -104,7 +105,7 @@ def test_dynamic_sampling_filters_groups_on_accuracy_not_on_shaped_rewards(monke
 
     calls = []
     monkeypatch.setattr(trainer.rollouts, "rollout", fake_rollout)
-    cfg = train_state.model_config(config, vocab_size=23)
+    cfg = build.model_config(config, vocab_size=23)
     ro, stats = trainer.collect_rollouts(Task(), cfg, config, Pool(), None, 0)
     assert len(calls) == 2 and stats["rl/resample_rounds"] == 1.0
     assert ro["texts"] == ["1", "0", "1", "0"]  # attempt 0's mixed group, then attempt 1's first one
@@ -201,7 +202,7 @@ def test_summary_writes_json_and_a_before_after_plot(tmp_path):
 
 def test_nonfinite_update_is_dropped():
     config = _tiny()
-    cfg = train_state.model_config(config, vocab_size=23)
+    cfg = build.model_config(config, vocab_size=23)
     from sage_jax.models import decoder as model
     params = model.init_params(cfg, jax.random.key(0))
     before = jax.tree.map(np.asarray, params)

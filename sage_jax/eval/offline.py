@@ -1,0 +1,262 @@
+"""Offline evaluation, the library behind `python -m sage_jax.evaluate` (its flags are in sage_jax/evaluate.py):
+sample n completions per problem from a model source (source.py), score them in a reward process pool, and write the
+unbiased pass@k per dataset and over all of them (passk.py). A rerun resumes from the samples already written;
+OUT/eval_settings.json records what drew them, and resuming with other settings is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from sage_jax.eval import passk as evaluation
+from sage_jax.eval.source import ModelSource, default_out, load_model, load_tokenizer, resolve_model
+
+COUNTDOWN_SETS = {"countdown": "test", "countdown_ood": "test_ood"}
+SETTINGS_FILE = "eval_settings.json"
+
+
+def parse_ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected comma-separated integers such as 1,4,16") from None
+
+
+def check_ks(ks: Sequence[int], n: int) -> list[int]:
+    if n < 1:
+        raise ValueError(f"--n {n}: need at least one sample per problem")
+    if any(k < 1 for k in ks):
+        raise ValueError(f"--k {','.join(map(str, ks))}: every k must be >= 1")
+    too_big = [k for k in ks if k > n]
+    if too_big:
+        raise ValueError(f"--k {','.join(map(str, too_big))} larger than --n {n}: pass@k needs at least k samples "
+                         f"per problem; raise --n or drop those k")
+    return sorted(set(ks))
+
+# ------------------------------------------------------------------------------------------------ task, data
+
+
+def infer_task(task: str | None, source: ModelSource, names: Sequence[str]) -> str:
+    if task:
+        return task
+    if source.run_config is not None:
+        return str(source.run_config.data.task)
+    bases = {split_name(n)[0] for n in names}
+    if bases <= set(COUNTDOWN_SETS):
+        return "countdown"
+    return "kk" if bases == {"kk"} else "math"
+
+
+def template_for(reward: str, flag: str, task: str, run_config: Any) -> str:
+    if flag:
+        return flag
+    if reward == "countdown":
+        return "plain"  # countdown prompts are complete as generated
+    if run_config is not None and task != "countdown":
+        return str(run_config.data.get("template", "qwen_math_boxed"))
+    return "qwen_math_boxed"
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """"kk:people5" -> ("kk", "people5"); names without a registered prefix (paths, hf://...) stay whole."""
+    from sage_jax.data.loaders import DATASETS
+    base, _, split = name.partition(":")
+    return (base, split) if base in DATASETS or base in COUNTDOWN_SETS else (name, "")
+
+
+def reward_for(name: str, task: str) -> str:
+    from sage_jax.data.loaders import DATASETS
+    base = split_name(name)[0]
+    if base in COUNTDOWN_SETS:
+        return "countdown"
+    looks_like_a_path = "://" in base or os.sep in base or base.endswith((".jsonl", ".json", ".parquet"))
+    if base not in DATASETS and not looks_like_a_path and not os.path.exists(base):
+        raise ValueError(f"unknown dataset {name!r}: name one of {', '.join(sorted([*DATASETS, *COUNTDOWN_SETS]))}, "
+                         "or give a .jsonl / .parquet file or folder (or hf://...)")
+    if task == "countdown":
+        raise ValueError(f"dataset {name!r} does not suit a countdown model (character tokenizer); evaluate it on "
+                         "countdown or countdown_ood")
+    if base in DATASETS:
+        return "kk" if base == "kk" else "math"
+    return "kk" if task == "kk" else "math"  # a local file or hf:// set: the task says what it holds
+
+
+def out_name(name: str) -> str:
+    if os.sep in name or name.endswith((".jsonl", ".json", ".parquet")):
+        name = Path(name).stem if Path(name).suffix else Path(name).name
+    return name.replace(":", "_")
+
+
+def load_examples(name: str, data_dir: str, limit: int, run_config: Any, data_seed: int) -> list[Any]:
+    """Examples of one dataset; countdown sets are regenerated as sage_jax.data.tasks.build made them for the run."""
+    from sage_jax.data import loaders
+    base, split = split_name(name)
+    if base in COUNTDOWN_SETS:
+        if run_config is None:
+            examples = loaders.load_dataset("countdown", COUNTDOWN_SETS[base], seed=data_seed)
+        else:
+            from sage_jax.data import tasks
+            run_config = run_config.copy_and_resolve_references()
+            with run_config.unlocked():
+                run_config.seed = data_seed
+            examples = tasks.countdown_sets(run_config).get(base)
+            if examples is None:
+                raise ValueError(f"the run's config has no {base} split (data.ood_max_number is 0)")
+    else:
+        examples = loaders.load_dataset(base, split or "test", data_dir=data_dir or None)
+    if not examples:
+        raise ValueError(f"dataset {name!r} has no problems")
+    return examples[:limit] if limit else examples
+
+# ------------------------------------------------------------------------------------------------ sampling, scoring
+
+
+def _gold_key(gold: Any) -> str:
+    return json.dumps(gold, sort_keys=True, default=str)
+
+
+class PooledScorer:
+    """Scores each generated batch in one RewardPool call (the workers run in parallel); evaluation.evaluate then
+    asks for rewards one completion at a time and gets them from here. Anything not pre-scored is scored alone."""
+
+    def __init__(self, pool: Any, gold: Callable[[Any], Any], examples: Sequence[Any],
+                 prompt_ids: Callable[[Any], list[int]]):
+        self.pool, self.gold = pool, gold
+        self.golds_by_prompt: dict[tuple[int, ...], dict[str, Any]] = {}
+        for ex in examples:
+            g = gold(ex)
+            self.golds_by_prompt.setdefault(tuple(prompt_ids(ex)), {})[_gold_key(g)] = g
+        self.cache: dict[tuple[str, str], float] = {}
+
+    def wrap(self, generate_fn: evaluation.GenerateFn) -> evaluation.GenerateFn:
+        def scored_generate_fn(prompts: list[list[int]], n: int) -> list[list[str]]:
+            texts = generate_fn(prompts, n)
+            items = {(k, t): g for p, ts in zip(prompts, texts)
+                     for k, g in self.golds_by_prompt.get(tuple(p), {}).items() for t in ts}
+            rewards = self.pool.score([t for _, t in items], list(items.values())) if items else []
+            self.cache = {key: float(r) for key, r in zip(items, rewards)}
+            return texts
+        return scored_generate_fn
+
+    def __call__(self, text: str, ex: Any) -> float:
+        g = self.gold(ex)
+        hit = self.cache.get((_gold_key(g), text))
+        return hit if hit is not None else float(self.pool.score([text], [g])[0])
+
+# ------------------------------------------------------------------------------------------------ outputs
+
+
+def check_settings(out: Path, settings: dict[str, Any]) -> None:
+    """Samples in OUT are only resumed under the settings that drew them."""
+    path = out / SETTINGS_FILE
+    if path.is_file():
+        old = json.loads(path.read_text())
+        changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+        if changed:
+            what = ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items())
+            raise ValueError(f"{out} holds samples drawn with other settings ({what}); rerun with the same settings "
+                             "or pass another --out")
+    evaluation.write_json(path, settings)
+
+
+def write_summary(out: Path, results: dict[str, dict[str, Any]], ks: Sequence[int], settings: dict[str, Any]
+                  ) -> dict[str, Any]:
+    tables = {name: {int(k): float(v) for k, v in r["pass_at_k"].items()} for name, r in results.items()}
+    average = {k: float(np.mean([t[k] for t in tables.values()])) for k in ks}
+    summary = {"settings": settings, "ks": list(ks),
+               "datasets": {name: {"num_problems": results[name]["num_problems"],
+                                   **{f"pass@{k}": v for k, v in t.items()}} for name, t in tables.items()},
+               "average": {f"pass@{k}": v for k, v in average.items()}}
+    evaluation.write_json(out / "summary.json", summary)
+    rows = {**{f"{name} ({results[name]['num_problems']})": t for name, t in tables.items()}, "average": average}
+    title = (f"pass@k of {settings['model']} (n={settings['n']}, temperature={settings['temperature']}, "
+             f"top_p={settings['top_p']}, max_new_tokens={settings['max_new_tokens']})")
+    evaluation.write_markdown(out / "summary.md", rows, ks, title=title)
+    evaluation.plot_pass_at_k({**tables, "average": average}, out / "pass_at_k.png", title=Path(settings["model"]).name)
+    return summary
+
+# ------------------------------------------------------------------------------------------------ run
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    names = [s.strip() for s in args.datasets.split(",") if s.strip()]
+    if not names:
+        raise ValueError("--datasets is empty; name at least one dataset (e.g. math500)")
+    ks = check_ks(parse_ints(args.k, "--k") if args.k else evaluation.default_ks(args.n), args.n)
+    if args.max_new_tokens < 1 or args.max_rows < 1 or args.batch_problems < 0 or args.limit < 0:
+        raise ValueError("--max-new-tokens and --max-rows must be >= 1, --batch-problems and --limit >= 0")
+    source = resolve_model(args.model, args.step)
+    run_config = source.run_config
+    task = infer_task(args.task, source, names)
+    data_seed = args.data_seed if args.data_seed is not None else int(run_config.seed) if run_config else 0
+    data_dir = args.data_dir or (run_config.data.get("data_dir", "") if run_config is not None else "")
+    datasets = {}
+    for name in names:  # every dataset is checked before the model is loaded
+        key = out_name(name)
+        if key in datasets:
+            raise ValueError(f"dataset {name!r} is listed twice (or two names map to the folder {key!r})")
+        datasets[key] = (name, reward_for(name, task), load_examples(name, data_dir, args.limit, run_config, data_seed))
+    tokenizer = load_tokenizer(source, task, args.tokenizer)
+    dtype = args.dtype or (str(run_config.model.compute_dtype) if run_config is not None else "bfloat16")
+    out = Path(args.out) if args.out else default_out(source)
+    settings = {"model": str(source.path.resolve()), "source": source.kind, "step": source.step, "task": task,
+                "n": args.n, "template": args.template or "auto", "temperature": args.temperature,
+                "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+                "max_new_tokens": args.max_new_tokens, "seed": args.seed, "data_seed": data_seed, "dtype": dtype}
+    import jax
+    from sage_jax.data import tasks
+    from sage_jax.models import sharding
+    from sage_jax.data.templates import render, resolve_for as resolve_template
+    from sage_jax.rewards.pool import RewardPool
+    try:
+        mesh = sharding.make_mesh(tuple(parse_ints(args.mesh, "--mesh")))
+    except ValueError as e:
+        raise ValueError(f"--mesh {args.mesh}: {e}") from None
+    check_settings(out, settings)
+    rules = dict(run_config.mesh.rules) if run_config is not None else dict(sharding.DEFAULT_RULES)
+    batch_problems = args.batch_problems or max(1, args.max_rows // args.n)
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, min_p=args.min_p)
+    loaded: dict[str, Any] = {}
+
+    def generate_fn(prompts: list[list[int]], n: int, pad_to: int = 0) -> list[list[str]]:
+        if "fn" not in loaded:  # the model loads on the first batch to sample: a finished run never loads it
+            print(f"loading {source.kind} model from {source.path}" + (f" (step {source.step})" if source.step
+                  else ""), file=sys.stderr)
+            cfg, params = load_model(source, tokenizer, dtype, mesh, rules)
+            loaded["fn"] = evaluation.make_generate_fn(cfg, params, tokenizer.decode, sampling, args.seed, args.max_rows)
+        return loaded["fn"](prompts, n, pad_to)
+
+    results = {}
+    pools: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(jax.set_mesh(mesh))
+        stack.enter_context(sharding.use_rules(rules))
+        for key, (name, reward, examples) in datasets.items():
+            template = template_for(reward, args.template, task, run_config)
+            if reward != "countdown":  # "chat" / "auto": the model's own chat template around the run's prompts
+                template = resolve_template(run_config.data if run_config is not None else None, tokenizer, template)
+            if reward not in pools:
+                pools[reward] = stack.enter_context(RewardPool(reward, num_workers=args.reward_workers,
+                                                               timeout_s=args.reward_timeout))
+            gold = tasks.Task(reward, reward, tokenizer, template, [], {}).gold
+            scorer = PooledScorer(pools[reward], gold, examples,
+                                  lambda ex, t=template: tokenizer.encode(render(t, ex.problem)))
+            print(f"{key}: {len(examples)} problems, reward {reward}, template {template}", file=sys.stderr)
+            results[key] = evaluation.evaluate(
+                tokenizer, examples, scorer, n=args.n, ks=ks, out_dir=out / key,
+                generate_fn=scorer.wrap(functools.partial(generate_fn, pad_to=min(batch_problems, len(examples)))),
+                batch_problems=batch_problems, template=template,
+                run_name=key, progress=not args.no_progress)
+    summary = write_summary(out, results, ks, settings)
+    summary["out"] = str(out)
+    return summary
