@@ -8,8 +8,11 @@
   python -m sage_jax.bench rl_step --preset small --new-tokens 512 --workload longtail --layout both
   python -m sage_jax.bench memory                                           # chunked vs naive log-probs
   python -m sage_jax.bench scaling --plot docs/perf_scaling.png
-  python -m sage_jax.bench gpu --out gpu_bench.json                         # bench/gpu.sh
+  python -m sage_jax.bench gpu --out gpu_bench.json                         # on an accelerator (--quick: any)
   python -m sage_jax.bench lora memory --devices 32
+  python -m sage_jax.bench decode_kernels                                   # where XLA:CPU's decode time goes
+  python -m sage_jax.bench score_time                                       # the math reward's host cost
+  python -m sage_jax.bench offpolicy --tokenizer DIR                        # k = 0 vs k = 1 trainings
   python -m sage_jax.bench all
 
 `--batch` counts rows (prompts x samples). Each number is the median of `--repeats` runs after a warm-up run; the
@@ -21,6 +24,7 @@ load. The training-side modes default to the tiny preset, the sampler to both pr
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Callable
 
@@ -34,8 +38,19 @@ TRAINING_MODES: dict[str, Mode] = {
     "scaling": scaling.scaling_mode, "matmul": train_step.matmul_mode, "flags": train_step.flags_mode,
 }
 SAMPLER_MODES: dict[str, Mode] = {"sampler": sampler.sampler_mode}
+
+
+def _lazy(module: str) -> Callable[[list[str]], list[dict]]:
+    """A mode whose module imports what the others need not (torch, the reward pool): imported when it runs."""
+    def run(argv: list[str]) -> list[dict]:
+        return importlib.import_module(f"sage_jax.bench.{module}").main(argv)
+    return run
+
+
 # modes with flags of their own: argv -> rows
-OWN_FLAGS: dict[str, Callable[[list[str]], list[dict]]] = {"gpu": gpu.main, "lora": lora.main}
+OWN_FLAGS: dict[str, Callable[[list[str]], list[dict]]] = {
+    "gpu": gpu.main, "lora": lora.main, "decode_kernels": _lazy("decode_kernels"), "score_time": _lazy("score_time"),
+    "offpolicy": _lazy("offpolicy")}
 ALL_TRAINING = ("matmul", "train_step", "rl_step", "memory", "scaling")  # what `all` runs after the sampler
 
 

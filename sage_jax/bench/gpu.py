@@ -1,6 +1,6 @@
 """Accelerator benchmark: the sampler and the sharded train step of a ~0.5B-parameter Qwen2 shape, tokens/s and MFU.
 
-    bash bench/gpu.sh                                   # or: python -m sage_jax.bench gpu --out results.json
+    python -m sage_jax.bench gpu --out results.json     # on a GPU or TPU host
     python -m sage_jax.bench gpu --quick --out /tmp/gpu.json   # tiny shapes: a smoke run on any machine
 
 MFU is model FLOPs per second (flops.py, the count every mode uses) over the chip's bf16 matmul peak, measured in
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 import jax
@@ -90,6 +91,8 @@ def main(argv: list[str]) -> list[dict]:
     """Rows of every shape (a failed shape records its error and the others still run), rewritten to --out after
     each."""
     args = parser().parse_args(argv)
+    # the GPU allocator's share of memory (read when the backend starts, on the first device call below)
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
     results = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "rows": []}
 
     def record(row):

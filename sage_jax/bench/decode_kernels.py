@@ -1,7 +1,6 @@
-"""Where a long-tail decode step's time goes on XLA:CPU, measured in one run (issue 26; docs/PERFORMANCE.md,
-session 12).
+"""Where a long-tail decode step's time goes on XLA:CPU, measured in one run (issue 26; docs/PERFORMANCE.md).
 
-    PYTHONPATH=. JAX_PLATFORMS=cpu python bench/cpu_decode_kernels.py [--repeats 3]
+    python -m sage_jax.bench decode_kernels [--repeats 3]
 
 1. The slot pool against a static batch of the same width: W prompts, one row of 512 tokens each (a static batch of
    W rows), and the same W prompts with 64 / W samples each, 64 rows whose other samples stop at their first token
@@ -13,21 +12,20 @@ session 12).
    sizes (kv_cache.DECODE_BLOCK) or none (the whole cache in one pass).
 Every figure is a median of --repeats timed runs after a warm-up; the variants of each part alternate.
 """
+from __future__ import annotations
+
 import argparse
 import os
 import statistics
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from sage_jax.models import kv_cache  # noqa: E402
-from sage_jax.sampling import sampler as sampler_lib  # noqa: E402
-from sage_jax.bench import common  # noqa: E402
-from sage_jax.bench import sampler as sampler_bench  # noqa: E402
+from sage_jax.bench import common
+from sage_jax.bench import sampler as sampler_bench
+from sage_jax.models import kv_cache
+from sage_jax.sampling import sampler as sampler_lib
 
 
 def median_ms(fns: dict, repeats: int) -> dict:
@@ -54,6 +52,7 @@ def pool_vs_static(cfg, params, widths, repeats: int) -> None:
 def matmuls(pairs, rows_list, repeats: int, sweeps: int = 8) -> None:
     """x through every layer's (w_gate [D, F], w_down [F, D]) pair, `sweeps` times: the weights stream from memory
     as in a decode step (the model's own arrays, each used whole), on XLA and on torch."""
+    import torch  # the peer, only for this part
     D = pairs[0][0].shape[0]
     jax_pairs = [tuple(jnp.asarray(w) for w in p) for p in pairs]
     torch_pairs = [tuple(torch.from_numpy(w.copy()) for w in p) for p in pairs]
@@ -108,10 +107,12 @@ def attention(cfg, rows_list, repeats: int, position: int = 450, blocks=(64, 128
               + ", ".join(f"block {b}: {t:.2f} ms ({mb / t:.1f} GB/s)" for b, t in ms.items()), flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str]) -> list[dict]:
+    """argv: ["decode_kernels", flags...]. Prints its three parts as it goes; returns no table rows."""
+    import torch
+    parser = argparse.ArgumentParser(prog="python -m sage_jax.bench decode_kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv[1:])
     print(f"torch threads {torch.get_num_threads()}, {os.cpu_count()} cores, jax {jax.__version__}", flush=True)
     for _, cfg, params, _ in sampler_bench._models(("small",), "fp32", 0, None):
         pool_vs_static(cfg, params, (4, 16), args.repeats)
@@ -122,7 +123,4 @@ def main() -> None:
         matmuls(pairs, (1, 4, 16, 64), args.repeats)
         attention(cfg, (4, 16, 64), args.repeats)
     print(f"1-min load average {os.getloadavg()[0]:.1f}")
-
-
-if __name__ == "__main__":
-    main()
+    return []
