@@ -2,6 +2,7 @@
 
     python -m sage_jax.bench gpu --out results.json     # on a GPU or TPU host
     python -m sage_jax.bench gpu --quick --out /tmp/gpu.json   # tiny shapes: a smoke run on any machine
+    python -m sage_jax.bench gpu --decode-blocks 64,256,640,0   # + the sampler with the decode attention in blocks
 
 MFU is model FLOPs per second (flops.py, the count every mode uses) over the chip's bf16 matmul peak, measured in
 the same run (8192^3 bf16 products with fp32 accumulation). Random weights: speed does not depend on their values.
@@ -84,6 +85,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="gpu_bench.json")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="tiny shapes (for a CPU smoke run)")
+    p.add_argument("--decode-blocks", default="", help="also time the sampler shapes with the decode attention in "
+                   "blocks of these many cache slots (0: one pass), e.g. 64,256,640,0")
     return p
 
 
@@ -119,4 +122,24 @@ def main(argv: list[str]) -> list[dict]:
             record(bench_sampler(cfg.replace(remat=False), batch, prompt_len, new_tokens, g, peak, args.repeats))
         except Exception as e:  # noqa: BLE001
             record({"bench": "sampler", "batch": batch, "error": repr(e)[:500]})
+    for blk in [int(b) for b in args.decode_blocks.split(",") if b]:
+        for row in decode_block_rows(cfg.replace(remat=False), samp_shapes, blk, peak, args.repeats):
+            record(row)
     return results["rows"]
+
+
+def decode_block_rows(cfg, shapes, blk: int, peak: float, repeats: int) -> list[dict]:
+    """The sampler shapes with kv_cache's decode attention forced into blocks of `blk` slots (0: one pass), on any
+    platform; the sampler's programs are retraced under it and the shipped choice is restored after."""
+    from sage_jax.models import kv_cache
+    shipped = kv_cache.DECODE_BLOCK, kv_cache.ONE_PASS_PLATFORMS
+    rows = []
+    try:
+        kv_cache.DECODE_BLOCK, kv_cache.ONE_PASS_PLATFORMS = (blk or 1 << 30), frozenset()
+        jax.clear_caches()
+        for batch, prompt_len, new_tokens, g in shapes:
+            rows.append(bench_sampler(cfg, batch, prompt_len, new_tokens, g, peak, repeats) | {"decode_block": blk})
+    finally:
+        kv_cache.DECODE_BLOCK, kv_cache.ONE_PASS_PLATFORMS = shipped
+        jax.clear_caches()
+    return rows

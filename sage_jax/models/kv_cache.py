@@ -18,7 +18,11 @@ import math
 import jax
 import jax.numpy as jnp
 
-DECODE_BLOCK = 64  # cache slots per step of the blocked decode attention
+DECODE_BLOCK = 64  # cache slots per step of the blocked decode attention (XLA:CPU, and XLA:TPU unmeasured)
+# Platforms whose decode step reads the whole cache in one pass instead: on one H200 (0.5B shape, bf16, 512 new
+# tokens) blocks of 64 slots ran at 0.37x, 0.73x and 0.36x the one-pass speed at 64, 256 and 1 rows
+# (docs/PERFORMANCE.md, GPU). XLA:CPU is the other way round: a long-tail run took 12.18 s in blocks, 15.59 s in one pass.
+ONE_PASS_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
 # A KV cache of this dtype holds a 16-bit compute dtype's bits. The slot pool's cache is one: written, copied and
 # sliced as bits, it is never converted whole (XLA:TPU kept a uint16 copy beside a bfloat16 one of every layer's
 # cache, XLA:CPU float32 copies, when bf16 <-> uint16 bitcasts sat at the loops' boundaries).
@@ -115,7 +119,7 @@ def cached_attention(q_BxTxNxH, k_cache, v_cache, allowed_BxTxS, groups: int = 1
     dtype = jnp.dtype(dtype or v_cache.dtype)
     q = q_BxTxNxH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).reshape(B, K, (N // K) * T, H)
     allowed = jnp.tile(allowed_BxTxS, (1, N // K, 1))[:, None]  # rows ordered (g, t) like q
-    if T == 1 and S > DECODE_BLOCK:
+    if T == 1 and S > DECODE_BLOCK and jax.default_backend() not in ONE_PASS_PLATFORMS:
         end = S - jnp.argmax(jnp.any(allowed_BxTxS, axis=(0, 1))[::-1])  # one past the last slot any row may read
         out = _blocked_decode_attention(q, k_cache, v_cache, allowed, end, groups, layer, dtype)
     else:

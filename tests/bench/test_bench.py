@@ -211,13 +211,13 @@ def test_forced_rollout_cuts_rows_and_marks_truncation():
 def test_gpu_mode_quick(tmp_path):
     """`python -m sage_jax.bench gpu`, as a GPU host runs it; --quick gives tiny shapes that run on the CPU too."""
     proc = subprocess.run([sys.executable, "-m", "sage_jax.bench", "gpu", "--quick", "--repeats", "1", "--out",
-                           str(tmp_path / "gpu_bench.json")], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           str(tmp_path / "gpu_bench.json"), "--decode-blocks", "8"], cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     saved = json.loads((tmp_path / "gpu_bench.json").read_text())
-    assert [r["bench"] for r in saved["rows"]] == ["train_step", "sampler"]
+    assert [r["bench"] for r in saved["rows"]] == ["train_step", "sampler", "sampler"]
     assert all("error" not in r and 0 < r["mfu"] and r["tokens_per_s"] > 0 for r in saved["rows"])
-    assert saved["matmul_peak_tflops"] > 0
+    assert saved["rows"][-1]["decode_block"] == 8 and saved["matmul_peak_tflops"] > 0
 
 
 def test_score_time_mode_scores_math_solutions():
