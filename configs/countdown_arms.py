@@ -2,9 +2,9 @@
 
     python -m sage_jax.experiments.reproduce --out DIR --quick                 # ~15 min on 2 free CPU cores
     python -m sage_jax.experiments.reproduce --out DIR                         # every arm x 3 seeds
-    python -m sage_jax.experiments.regime --out docs/results/regime.md          # choose the study's regime (GRPO)
+    python -m sage_jax.experiments.regime --out docs/results/study_countdown/regime.md  # the study's regime (GRPO)
     python -m sage_jax.experiments.reproduce --budget study --arms STUDY --sweep \
-        --out docs/results --records docs/results/runs                           # round 2 (SEEDS_PER_ARM)
+        --out docs/results/study_countdown --records docs/results/study_countdown/runs   # round 2 (SEEDS_PER_ARM)
     python -m sage_jax.train --config configs/countdown_arms.py:grpo_branch,quick --workdir /tmp/one_arm
 
 arg: "ARM" or "ARM,BUDGET" with ARM one of ARMS (default grpo) and BUDGET tiny | quick | full | study (default full).
@@ -75,7 +75,8 @@ BUDGETS: dict[str, dict[str, Any]] = {
     # round 2 (issue 20): the arms of SEEDS_PER_ARM, a smaller evaluation at n = 256, tau from the base's own
     # token entropies (experiment.tau_quantile), the gamma / tau cross on the paper-form Branch; then REGIME.
     # Also evaluated: 64 of the RL prompts (countdown_rl), where the regime is judged: GRPO raised train reward
-    # 0.29 -> 0.49 in 200 steps while held-out pass@1 stayed at the base's (docs/results/RESULTS.md, regime search)
+    # 0.29 -> 0.49 in 200 steps while held-out pass@1 stayed at the base's (docs/results/study_countdown/RESULTS.md,
+    # regime search)
     "study": {"eval.problems": 64, "experiment.ood_problems": 32, "experiment.seeds": 10,
               "experiment.rl_eval_problems": 64, "experiment.primary_split": "countdown_rl",
               "experiment.tau_quantile": 0.8, "experiment.sweep_arm": "grpo_branch_paper",
@@ -90,7 +91,7 @@ SEEDS_PER_ARM = {"grpo": 10, "grpo_branch": 10, "grpo_rkl": 10, "grpo_branch_pap
 # The study's shared regime, frozen from `python -m sage_jax.experiments.regime` (its selected row) before any arm
 # runs, and never changed after a guide's results are seen. Frozen on 2026-12-01 to the selected candidate "round1"
 # (no overrides: the study budget as above), the cheapest one GRPO sharpens in on the RL prompts
-# (docs/results/regime.md, regime.json's "selected").
+# (docs/results/study_countdown/regime.md, regime.json's "selected").
 REGIME: dict[str, Any] = {}
 
 # What the regime search tries, GRPO only: the shared settings and why each is a candidate.

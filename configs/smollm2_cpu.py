@@ -5,11 +5,11 @@
     python -m sage_jax.train --config configs/smollm2_cpu.py --workdir /tmp/smollm2_rl
 
 Task: generated arithmetic word problems (sage_jax/data/word_problems.py), chosen on the base model before any RL
-(docs/results/smollm2_task_choice.md: base pass@1 0.12 [0.05, 0.22], inside [0.05, 0.6]; GSM8K-heldout sits on
+(docs/results/smollm2/task_choice.md: base pass@1 0.12 [0.05, 0.22], inside [0.05, 0.6]; GSM8K-heldout sits on
 the band's lower edge, MATH levels 1-2 below it). The instruction asks for a one-sentence answer and completions stop
 at 40 tokens: on 2 cores a 135M model samples and trains on tens of tokens per row, not thousands. The reward reads
 a marked answer, else the reply's last number (data.answer_extraction="last_number"). Measured: 18.6 min wall on 2
-shared cores, held-out pass@1 0.159 -> 0.331 (docs/results/smollm2_rl.md). fp32 throughout (bf16 matmuls are slower
+shared cores, held-out pass@1 0.159 -> 0.331 (docs/results/smollm2/rl.md). fp32 throughout (bf16 matmuls are slower
 on most CPUs).
 Presets: `:quick` (2 steps on 8 eval problems: the notebook / smoke path).
 """

@@ -1,7 +1,7 @@
 """The sampler against transformers' `generate`.
 
   python -m sage_jax.bench sampler --preset both --dtype fp32 --batch 64
-  python -m sage_jax.bench sampler --workload longtail --preset small --json docs/results/sampler_longtail.json
+  python -m sage_jax.bench sampler --workload longtail --preset small --json docs/results/sampler/longtail.json
   python -m sage_jax.bench sampler --model /tmp/smollm2 --workload longtail --batch 16 --group 4   # a real HF model
 
 This sampler's tokens/s against transformers' `generate` (torch, CPU) on the same random weights, batch,

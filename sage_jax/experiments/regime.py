@@ -1,6 +1,6 @@
 """Choose the study's shared regime on GRPO alone, before any guide runs (issue 20, item 1).
 
-    python -m sage_jax.experiments.regime --out docs/results/regime.md --records docs/results/runs   # hours
+    python -m sage_jax.experiments.regime --out docs/results/study_countdown/regime.md --records docs/results/study_countdown/runs   # hours
     python -m sage_jax.experiments.regime --out /tmp/regime.md --tiny --seeds 2                      # smoke, seconds
 
 Each candidate of configs/countdown_arms.REGIME_CANDIDATES (shared settings only: RL steps, learning rate, beta,

@@ -12,7 +12,7 @@ sweep/gammaG_tauT/seedK/, each finished run holding record.json; rerunning the c
 resumes the rest, and --report-only renders whatever has finished. Two processes started with the same command (on
 a machine with cores to spare) split the runs between them through a claim file in each run directory; start the
 second once the base has finished, and render the report with --report-only when both are done. --out gets only
-RESULTS.md, results.json, PNGs. --records DIR (the study uses docs/results/runs) keeps a copy of every finished
+RESULTS.md, results.json, PNGs. --records DIR (the study uses docs/results/study_countdown/runs) keeps a copy of every finished
 run's small record.json under DIR/BUDGET/..., the same layout: commit it, and a later session (with a fresh --work)
 skips those runs and reports them; it retrains only the base (same settings; its parameter checksum is compared).
 Under the study budget each arm gets configs/countdown_arms.SEEDS_PER_ARM seeds and, with experiment.tau_quantile,

@@ -1,7 +1,7 @@
 """Pick an RL task for a model from its base pass@k alone, before any RL; and pass@k with 95% intervals.
 
     python -m sage_jax.experiments.task_choice --config configs/smollm2_cpu.py --candidates \
-        arith_words,gsm8k_heldout,math_train_l1to2 --problems 48 --n 16 --out docs/results/smollm2_task_choice.json
+        arith_words,gsm8k_heldout,math_train_l1to2 --problems 48 --n 16 --out docs/results/smollm2/task_choice.json
     python -m sage_jax.experiments.task_choice --config configs/smollm2_cpu.py --candidates \
         countdown_words,kk_2people --problems 16 --n 16   # the generators, worded for an instruct model
     python -m sage_jax.experiments.task_choice --compare WORKDIR/eval/before/arith_words/samples.jsonl \

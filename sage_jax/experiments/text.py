@@ -187,11 +187,12 @@ def _commands(command: str, records) -> list[str]:
     return ["# the runs in this report were made by:", *made_by] + (
         ["# and this report rendered by:", command] if made_by != [command] else []) + [
                 "", "# the budgets (configs/countdown_arms.py BUDGETS) and other uses:",
-                "python -m sage_jax.experiments.reproduce --out docs/results --quick  # 1 seed, short SFT and RL",
+                "python -m sage_jax.experiments.reproduce --out DIR --quick          # 1 seed, short SFT and RL",
                 "python -m sage_jax.experiments.reproduce --out DIR                  # full: 3 seeds, 80 RL steps",
                 "python -m sage_jax.experiments.reproduce --out DIR --sweep          # + Branch gamma x tau grid",
                 "python -m sage_jax.experiments.reproduce --out DIR --report-only    # render what has finished",
                 "# round 2: the GRPO-only regime search, then the study (records kept for later sessions)",
-                "python -m sage_jax.experiments.regime --out docs/results/regime.md --records docs/results/runs",
-                "python -m sage_jax.experiments.reproduce --budget study --arms STUDY --sweep --out docs/results "
-                "--records docs/results/runs"]
+                "python -m sage_jax.experiments.regime --out docs/results/study_countdown/regime.md "
+                "--records docs/results/study_countdown/runs",
+                "python -m sage_jax.experiments.reproduce --budget study --arms STUDY --sweep "
+                "--out docs/results/study_countdown --records docs/results/study_countdown/runs"]
