@@ -30,7 +30,12 @@ class Task:
         return render(self.template, ex.problem)
 
     def encode_prompt(self, ex: Example) -> list[int]:
-        return list(self.tokenizer.encode(self.prompt_text(ex)))
+        """The prompt's ids: a chat-rendered prompt as written (its template wrote any BOS, as transformers'
+        apply_chat_template(tokenize=True)); a plain-text one with the BOS the tokenizer's own encode adds."""
+        from sage_jax.data.templates import is_chat
+        ids = list(self.tokenizer.encode(self.prompt_text(ex)))
+        with_bos = getattr(self.tokenizer, "with_bos", None)  # the countdown tokenizer's encode adds its own <bos>
+        return ids if with_bos is None or is_chat(self.template) else with_bos(ids)
 
     def gold(self, ex: Example) -> Any:
         """What the reward function compares against."""

@@ -10,7 +10,10 @@ the config (data.system_prompt, data.instruction).
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import Any
+
+log = logging.getLogger("sage_jax")
 
 # Common evaluation prompt for Qwen2.5-Math base models (see paper/IMPLEMENTATION_FACTS.md).
 QWEN_MATH_BOXED = (
@@ -27,6 +30,10 @@ R1_THINK = (
 )
 
 CHAT, AUTO = "chat", "auto"
+# Registered names whose text the model's own chat template rendered (it writes any BOS itself); other templates are
+# plain text, to which a prompt's encoder adds the BOS the tokenizer would (Tokenizer.with_bos).
+_CHAT_RENDERED: set[str] = set()
+_FALLBACKS_LOGGED: set[str] = set()
 # The user message around a math problem when the model's own chat template renders it (data.instruction).
 MATH_INSTRUCTION = "{problem}\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -53,6 +60,11 @@ def render(template_name: str, problem: str) -> str:
         raise ValueError(f"unknown prompt template {template_name!r}; choose one of {sorted(TEMPLATES)}"
                          " or add one with sage_jax.data.templates.register") from None
     return template.replace("{problem}", problem)
+
+
+def is_chat(name: str) -> bool:
+    """Whether a resolved template name is the model's chat template rendered (not plain text)."""
+    return name in _CHAT_RENDERED
 
 
 def has_chat_template(tokenizer: Any) -> bool:
@@ -87,6 +99,14 @@ def resolve(name: str, tokenizer: Any = None, system: str = "", instruction: str
         text = (system + "\n\n" if system else "") + instruction
     key = f"{name}:{hashlib.sha1(text.encode()).hexdigest()[:10]}"
     TEMPLATES[key] = text
+    if has_chat_template(tokenizer):
+        _CHAT_RENDERED.add(key)
+    else:
+        _CHAT_RENDERED.discard(key)
+        if key not in _FALLBACKS_LOGGED:
+            _FALLBACKS_LOGGED.add(key)
+            log.info("data.template='auto': the tokenizer has no chat template, so prompts are plain text (the "
+                     "system prompt and data.instruction), with the BOS the tokenizer adds, if any")
     return key
 
 

@@ -2,18 +2,29 @@
 
 Prompts are left padded so every row's last prompt token sits at the same column and generation starts in step;
 lengths are rounded up to a few bucket sizes so jitted code compiles once per bucket, not once per batch.
+
+Stop ids are the union of the tokenizer's eos, the chat template's end of turn (the special token it writes after an
+assistant message: <|eot_id|> for Llama-3, which is not its eos), the model directory's config.json and
+generation_config.json eos ids, and the known turn-end names of STOP_TOKENS that the vocabulary has.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
+log = logging.getLogger("sage_jax")
+
 DEFAULT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
-STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+# End-of-turn / end-of-text names of common models (Qwen/ChatML, Llama-3, Gemma): stops where the vocabulary has them.
+STOP_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>")
+_TURN_PROBE = "sage-jax end-of-turn probe"
+_LOGGED: set[tuple[str, tuple[int, ...]]] = set()
 
 # Common evaluation prompt for Qwen2.5-Math base models (paper/IMPLEMENTATION_FACTS.md); used when
 # sage_jax.data.templates is unavailable.
@@ -39,6 +50,51 @@ def bucket_length(n: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
             return b
     raise ValueError(f"length {n} exceeds the largest bucket {max(buckets)}; raise the max prompt length / "
                      f"bucket sizes or truncate")
+
+
+def eos_list(value: Any) -> list[int]:
+    """An eos_token_id field (absent, one id or a list) as a list of ids."""
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def model_stop_ids(model_dir: str | os.PathLike) -> tuple[int, ...]:
+    """The eos ids of a model directory's config.json, then its generation_config.json (a missing file adds none)."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        f = Path(model_dir).expanduser() / name
+        if f.is_file():
+            try:
+                ids += eos_list(json.loads(f.read_text()).get("eos_token_id"))
+            except ValueError as e:
+                raise ValueError(f"{f} is not valid JSON with an integer eos_token_id: {e}") from None
+    return tuple(dict.fromkeys(ids))
+
+
+def end_of_turn_id(hf: Any) -> int | None:
+    """The special token a chat template writes right after an assistant message's content, or None.
+
+    Renders a two-message conversation and reads the tokens after the assistant's text: the first special token,
+    passing over whitespace (a template may write a newline first); any other text first means there is none."""
+    if not getattr(hf, "chat_template", None):
+        return None
+    messages = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": _TURN_PROBE}]
+    try:
+        text = hf.apply_chat_template(messages, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template may refuse any conversation (raise_exception): no turn end then
+        return None
+    at = text.rfind(_TURN_PROBE) if isinstance(text, str) else -1
+    if at < 0:
+        return None
+    special = {int(i) for i, t in getattr(hf, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+    special |= {int(i) for i in hf.all_special_ids}
+    for i in hf.encode(text[at + len(_TURN_PROBE):], add_special_tokens=False):
+        if i in special:
+            return None if i == hf.bos_token_id else int(i)
+        if hf.decode([i]).strip():
+            return None
+    return None
 
 
 def pad_left(token_lists: Sequence[Sequence[int]], bucket_sizes: Sequence[int] = DEFAULT_BUCKETS, pad_id: int = 0,
@@ -68,13 +124,23 @@ def pad_left(token_lists: Sequence[Sequence[int]], bucket_sizes: Sequence[int] =
 
 
 class Tokenizer:
-    """Wraps a transformers tokenizer loaded from a local directory."""
+    """Wraps a transformers tokenizer loaded from a local directory.
 
-    def __init__(self, hf_tokenizer: Any):
+    model_dir (default: the directory the tokenizer was loaded from) is where config.json / generation_config.json
+    add their eos ids to the stop set."""
+
+    def __init__(self, hf_tokenizer: Any, model_dir: str | os.PathLike | None = None):
         self.hf = hf_tokenizer
-        self.eos_ids = self._stop_ids()
+        where = model_dir or getattr(hf_tokenizer, "name_or_path", "") or ""
+        self.eos_ids = self._stop_ids(where if where and os.path.isdir(where) else None)
         pad = hf_tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else self.eos_ids[0] if self.eos_ids else 0)
+        self.added_bos_id = self._added_bos()
+        key = (str(where), self.eos_ids)
+        if key not in _LOGGED:  # once per tokenizer directory and set
+            _LOGGED.add(key)
+            log.info("stop tokens (tokenizer eos, chat turn end, config.json / generation_config.json eos): %s",
+                     self.describe(self.eos_ids))
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "Tokenizer":
@@ -85,15 +151,29 @@ class Tokenizer:
         if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
             raise FileNotFoundError(f"{path} has no tokenizer.json / tokenizer_config.json")
         from transformers import AutoTokenizer
-        return cls(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+        return cls(AutoTokenizer.from_pretrained(str(path), local_files_only=True), model_dir=path)
 
-    def _stop_ids(self) -> tuple[int, ...]:
-        ids = []
-        if self.hf.eos_token_id is not None:
-            ids.append(int(self.hf.eos_token_id))
+    def _stop_ids(self, model_dir: str | os.PathLike | None) -> tuple[int, ...]:
+        ids = eos_list(self.hf.eos_token_id)
+        turn = end_of_turn_id(self.hf)
+        ids += [] if turn is None else [turn]
+        if model_dir is not None:
+            ids += model_stop_ids(model_dir)
         vocab = self.hf.get_vocab()
         ids += [vocab[t] for t in STOP_TOKENS if t in vocab]
-        return tuple(dict.fromkeys(ids))  # dedupe, keep order
+        return tuple(dict.fromkeys(ids))  # dedupe, keep order: the tokenizer's eos stays first
+
+    def _added_bos(self) -> int | None:
+        """The BOS id the tokenizer's own encode (add_special_tokens=True) puts in front of a text, or None."""
+        bos = self.hf.bos_token_id
+        if bos is None:
+            return None
+        added, plain = (list(self.hf.encode("a", add_special_tokens=s)) for s in (True, False))
+        return int(bos) if added[:1] == [bos] and plain[:1] != [bos] else None
+
+    def describe(self, ids: Sequence[int]) -> str:
+        """The ids as "id 'text', ..." for a log line."""
+        return ", ".join(f"{int(i)} {self.hf.convert_ids_to_tokens(int(i))!r}" for i in ids)
 
     @property
     def vocab_size(self) -> int:
@@ -102,6 +182,14 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` as written: no BOS/EOS added (templates carry their own special tokens)."""
         return list(self.hf.encode(text, add_special_tokens=False))
+
+    def with_bos(self, ids: Sequence[int]) -> list[int]:
+        """ids behind the BOS that the tokenizer's own encode would add (none if it adds none), never a second one:
+        for prompts rendered without a chat template (a chat template writes its own BOS)."""
+        ids = list(ids)
+        if self.added_bos_id is None or ids[:1] == [self.added_bos_id]:
+            return ids
+        return [self.added_bos_id] + ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 from typing import Any
 
@@ -14,6 +15,8 @@ import jax.numpy as jnp
 
 from sage_jax.models import decoder as model_lib
 from sage_jax.models import hf_io
+
+log = logging.getLogger("sage_jax")
 
 # HF checkpoint directory names -> (model preset, overrides), to plan without the checkpoint on this machine.
 KNOWN_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -62,9 +65,22 @@ def load_or_init_params(config, mesh, rules, tokenizer=None, path: str | None = 
         init = jax.jit(functools.partial(model_lib.init_params, cfg), out_shardings=shardings)
         params = init(jax.random.key(config.seed))
     if tokenizer is not None:
-        cfg = cfg.replace(eos_token_ids=tuple(tokenizer.eos_ids), pad_token_id=int(tokenizer.pad_id),
+        cfg = cfg.replace(eos_token_ids=_stop_ids(tokenizer, path), pad_token_id=int(tokenizer.pad_id),
                           bos_token_id=getattr(tokenizer, "bos_id", cfg.bos_token_id))
     return cfg, params
+
+
+def _stop_ids(tokenizer, path: str) -> tuple[int, ...]:
+    """The tokenizer's stop ids, then the model directory's config.json / generation_config.json eos ids (the
+    tokenizer may come from another directory, data.tokenizer_path), logged where the model adds any."""
+    from sage_jax.data.tokenizer import model_stop_ids
+    ids = tuple(int(i) for i in tokenizer.eos_ids)
+    extra = tuple(i for i in (model_stop_ids(path) if path else ()) if i not in ids)
+    if extra:
+        describe = getattr(tokenizer, "describe", lambda ids: ", ".join(map(str, ids)))
+        log.info("stop tokens from %s's config.json / generation_config.json beyond the tokenizer's: %s", path,
+                 describe(extra))
+    return ids + extra
 
 
 def resolve_model(config):
