@@ -16,6 +16,8 @@ Presets: `:quick` (2 steps on 8 eval problems: the notebook / smoke path).
 
 from configs import base
 
+ARGS = ("quick",)  # accepted config arguments (configs/smollm2_cpu.py:quick); any other is an error
+
 
 def get_config(arg=None):
     c = base.get_config()

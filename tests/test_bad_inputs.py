@@ -256,7 +256,10 @@ def test_sigterm_during_sft_saves_and_resumes(tmp_path):
 @pytest.mark.parametrize("args,names", [
     (["--topology", "2xx4"], "--topology '2xx4' is not a slice shape"),
     (["--memory-gb", "-5"], "--memory-gb -5: must be > 0"),
-], ids=["malformed topology", "negative memory"])
+    (["--compiler", "tpu", "--chip", "v5e", "--topology", "2x4x4"], "a v5e slice is shaped AxB"),
+    (["--compiler", "tpu", "--chip", "v5p", "--topology", "4x4"], "a v5p slice is shaped AxBxC"),
+    (["--devices", "100000"], "XLA:CPU cannot simulate more than"),
+], ids=["malformed topology", "negative memory", "v5e in 3D", "v5p in 2D", "too many CPU devices"])
 def test_plan_rejects_bad_shapes_and_sizes(args, names):
     cmd = [sys.executable, "-m", "sage_jax.plan", "--config", TINY, "--devices", "1", "--compiler", "cpu", *args]
     r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)

@@ -26,7 +26,27 @@ def check_gguf_file(path: str | os.PathLike) -> Path:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
         raise ValueError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    _check_complete(path)
     return path
+
+
+def _check_complete(path: Path) -> None:
+    """The header, the tensor table and every tensor's bytes are in the file: a cut-off download or copy is named as
+    one, instead of failing later inside transformers with a struct or reshape error."""
+    import struct
+    size = path.stat().st_size
+    try:
+        import gguf
+        tensors = gguf.GGUFReader(path).tensors
+    except ImportError:
+        return  # convert() names the missing package
+    except (ValueError, struct.error, IndexError, OverflowError, EOFError) as e:
+        raise ValueError(f"{path} is truncated or corrupt ({size:,} bytes; its header or tensor table cannot be "
+                         f"read: {str(e)[:120]}); download or copy it again") from None
+    ends = [int(t.data_offset) + int(t.n_bytes) for t in tensors]
+    if not ends or max(ends) > size:
+        raise ValueError(f"{path} is truncated ({size:,} bytes, its tensors need {max(ends or [0]):,}); download or "
+                         "copy it again")
 
 
 def _check_out_dir(out_dir: Path) -> None:

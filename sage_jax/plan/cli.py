@@ -6,10 +6,18 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import sys
+import threading
 from typing import Sequence
 
 from sage_jax.plan import memory, roofline
+
+# Simulated XLA:CPU devices: each holds its own buffers and thread pool (64 devices plan the 7B configs in a few
+# GB); far more exhausted this machine's memory and the process was killed without a word (100,000 were asked for).
+MAX_CPU_DEVICES = 1024
+# Dimensions of a TPU slice's topology: libtpu aborts the whole process (no Python error) on a shape of the wrong rank.
+SLICE_DIMS = {"v4": 3, "v5p": 3, "v5e": 2, "v6e": 2}
 
 
 def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -47,6 +55,13 @@ def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     args.programs = tuple(p for p in args.programs.split(",") if p)
     if not args.programs or set(args.programs) - set(memory.PROGRAMS):
         parser.error(f"--programs {','.join(args.programs)!r}: name some of {', '.join(memory.PROGRAMS)}")
+    if args.compiler == "cpu" and args.devices > MAX_CPU_DEVICES:
+        parser.error(f"--devices {args.devices}: XLA:CPU cannot simulate more than {MAX_CPU_DEVICES} devices in "
+                     "this machine's memory; plan a pod with --compiler tpu (libtpu), or check a smaller mesh")
+    if args.compiler == "tpu" and args.topology and args.chip in SLICE_DIMS and \
+            args.topology.count("x") + 1 != SLICE_DIMS[args.chip]:
+        shape = "AxBxC (e.g. 2x4x4)" if SLICE_DIMS[args.chip] == 3 else "AxB (e.g. 4x4)"
+        parser.error(f"--chip {args.chip} --topology {args.topology}: a {args.chip} slice is shaped {shape}")
     if args.compiler == "cpu" and args.devices < 1:
         parser.error("--compiler cpu needs --devices N >= 1 (the number of simulated devices)")
     if args.compiler == "tpu":
@@ -74,6 +89,10 @@ def cpu_check(argv: Sequence[str]) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if threading.current_thread() is threading.main_thread():
+        # A plan has no state to save, and a Python handler cannot run while XLA compiles (minutes): SIGTERM ends the
+        # process at once. The programs compiled so far are in the plan cache, and a rerun takes them from there.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if cpu_check(argv):
         from sage_jax.plan import phase_check as plan_phases
         return plan_phases.cpu_main(argv)

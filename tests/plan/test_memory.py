@@ -517,3 +517,20 @@ def test_sampler_only_plan_and_its_breakdown_add_up():
     assert b["bound"] == round(a["rollout_params"] + plan_report.SLOT_CACHE_SLACK * a["kv_cache"] + b["prompt_caches"])
     assert b["within_bound"] == (b["peak"] <= b["bound"])
     assert "sampler breakdown per device" in plan.format_report(r)
+
+
+@needs_libtpu
+def test_sigterm_ends_a_plan_at_once_even_while_xla_compiles():
+    """A plan saves nothing, and no Python handler runs inside a compile: SIGTERM must end it within seconds (it once
+    ran on for 440 s after SIGTERM, then printed a resume hint)."""
+    import signal
+    import time
+    proc = _start(["-m", "sage_jax.plan", "--config", "configs/qwen7b_branch.py", "--compiler", "tpu", "--chip",
+                   "v5p", "--topology", "2x4x4", "--no-compile"])
+    time.sleep(20)  # the prediction's compiles are under way (minutes for the 7B shapes)
+    assert proc.poll() is None, "the plan finished before the signal: this test needs a longer one"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    out = _finish(proc, timeout=30)
+    assert out.returncode == -signal.SIGTERM and time.monotonic() - t0 < 15
+    assert "resume" not in out.stderr

@@ -1,4 +1,5 @@
 import re
+from pathlib import Path
 
 import pytest
 
@@ -122,3 +123,13 @@ def test_a_bad_tuple_override_is_one_clear_error(tmp_path, capsys, override, mes
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIGS.glob("*.py") if p.stem != "__init__"))
+def test_every_config_rejects_an_unknown_argument(name):
+    """configs/NAME.py:quik (a typo) must be an error, never the full config run silently."""
+    with pytest.raises(config_lib.ConfigError, match="quik"):
+        config_lib.load(f"configs/{name}.py:quik")
