@@ -2,7 +2,7 @@
 (tokenizer.py) and tasks (tasks.py: a problem set, its reward and its tokenizer together). Import-light: no jax or
 tensorflow_datasets at import.
 
-Imports: rewards/.
+Imports: rewards/, models/ (hf_config: the eos ids a model directory names).
 """
 
 from sage_jax.data.loaders import DATASETS, Example, load_dataset, load_file

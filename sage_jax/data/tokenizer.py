@@ -10,13 +10,14 @@ generation_config.json eos ids, and the known turn-end names of STOP_TOKENS that
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+
+from sage_jax.models.hf_config import eos_list, model_stop_ids  # noqa: F401  (public here too)
 
 log = logging.getLogger("sage_jax")
 
@@ -50,26 +51,6 @@ def bucket_length(n: int, buckets: Sequence[int] = DEFAULT_BUCKETS) -> int:
             return b
     raise ValueError(f"length {n} exceeds the largest bucket {max(buckets)}; raise the max prompt length / "
                      f"bucket sizes or truncate")
-
-
-def eos_list(value: Any) -> list[int]:
-    """An eos_token_id field (absent, one id or a list) as a list of ids."""
-    if value is None:
-        return []
-    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
-
-
-def model_stop_ids(model_dir: str | os.PathLike) -> tuple[int, ...]:
-    """The eos ids of a model directory's config.json, then its generation_config.json (a missing file adds none)."""
-    ids: list[int] = []
-    for name in ("config.json", "generation_config.json"):
-        f = Path(model_dir).expanduser() / name
-        if f.is_file():
-            try:
-                ids += eos_list(json.loads(f.read_text()).get("eos_token_id"))
-            except ValueError as e:
-                raise ValueError(f"{f} is not valid JSON with an integer eos_token_id: {e}") from None
-    return tuple(dict.fromkeys(ids))
 
 
 def end_of_turn_id(hf: Any) -> int | None:

@@ -73,7 +73,7 @@ def load_or_init_params(config, mesh, rules, tokenizer=None, path: str | None = 
 def _stop_ids(tokenizer, path: str) -> tuple[int, ...]:
     """The tokenizer's stop ids, then the model directory's config.json / generation_config.json eos ids (the
     tokenizer may come from another directory, data.tokenizer_path), logged where the model adds any."""
-    from sage_jax.data.tokenizer import model_stop_ids
+    from sage_jax.models.hf_config import model_stop_ids
     ids = tuple(int(i) for i in tokenizer.eos_ids)
     extra = tuple(i for i in (model_stop_ids(path) if path else ()) if i not in ids)
     if extra:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 from sage_jax.models.config import ModelConfig
@@ -172,3 +175,23 @@ def export_configs(cfg: ModelConfig, source: dict | None = None, source_generati
         if generation.get(key) is None:
             generation[key] = config.get(key)
     return config, generation
+
+
+def eos_list(value: Any) -> list[int]:
+    """An eos_token_id field (absent, one id or a list) as a list of ids."""
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def model_stop_ids(model_dir: str | os.PathLike) -> tuple[int, ...]:
+    """The eos ids of a model directory's config.json, then its generation_config.json (a missing file adds none)."""
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        f = Path(model_dir).expanduser() / name
+        if f.is_file():
+            try:
+                ids += eos_list(json.loads(f.read_text()).get("eos_token_id"))
+            except ValueError as e:
+                raise ValueError(f"{f} is not valid JSON with an integer eos_token_id: {e}") from None
+    return tuple(dict.fromkeys(ids))
