@@ -7,10 +7,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-# Panels: GRPO with its anchors and guides; the entropy-based peers; the DAPO/BNPO pairs (GRPO repeated in each).
+# Panels: GRPO with its anchors and guides; the entropy-based peers; the DAPO/BNPO pairs (GRPO repeated in each);
+# the SmolLM2 study's arms.
 FAMILIES = (("grpo", "grpo_rkl", "grpo_nokl", "fkl", "grpo_random", "grpo_token", "grpo_branch", "grpo_branch_paper"),
             ("grpo", "grpo_entropy", "grpo_top_entropy", "grpo_kl_cov", "grpo_branch", "grpo_branch_paper"),
-            ("grpo", "dapo", "dapo_branch", "bnpo", "bnpo_branch"))
+            ("grpo", "dapo", "dapo_branch", "bnpo", "bnpo_branch"),
+            ("grpo", "branch", "nokl", "top_entropy"))  # the SmolLM2 study's arms (smollm2_study.py)
 
 
 def _plt():
@@ -38,9 +40,8 @@ def _band(ax, x, mean, half, color, label, **style):
 
 def _families(arms: Sequence[str]) -> list[list[str]]:
     fams = [[a for a in fam if a in arms] for fam in FAMILIES]
-    rest = [a for a in arms if not any(a in fam for fam in FAMILIES)]
     fams = [f for f in fams if len(f) > (1 if "grpo" in f else 0)] or [[]]
-    fams[0] += rest
+    fams[0] += [a for a in arms if not any(a in fam for fam in fams)]  # GRPO alone, or arms of no family
     return fams
 
 
@@ -55,7 +56,8 @@ def paired_curve(per_seed: Mapping[str, Mapping[int, Mapping[str, Any]]], arm: s
 
 
 def pass_at_k(agg: Mapping[str, Mapping[str, Any]], base: Mapping[str, Any], split: str, path: str,
-              title: str, per_seed: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> None:
+              title: str, per_seed: Mapping[str, Mapping[int, Mapping[str, Any]]], base_label: str = "base (SFT)"
+              ) -> None:
     """Top: pass@k vs k per arm (mean, 95% band over seeds) and the base; bottom: arm - GRPO paired by seed."""
     plt = _plt()
     arms = list(agg)
@@ -65,7 +67,7 @@ def pass_at_k(agg: Mapping[str, Mapping[str, Any]], base: Mapping[str, Any], spl
     ks = np.arange(1, len(base_curve) + 1)
     for col, fam in enumerate(fams):
         top, bottom = axes[0, col], axes[1, col]
-        top.plot(ks, base_curve, color="black", linewidth=1.2, label="base (SFT)")
+        top.plot(ks, base_curve, color="black", linewidth=1.2, label=base_label)
         ref = agg["grpo"][f"{split}/curve"][0] if "grpo" in agg else base_curve
         for arm in fam:
             mean, half = agg[arm][f"{split}/curve"]
