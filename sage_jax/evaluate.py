@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import Sequence
 
 from sage_jax.run import cli
@@ -66,8 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sharding.initialize_distributed()
     from sage_jax.eval import offline
     summary = offline.run(args)
-    out = Path(summary["out"])
-    print((out / "summary.md").read_text(encoding="utf-8"), end="")
+    from sage_jax.run import paths
+    out = paths.path(summary["out"])
+    print(paths.read_text(out / "summary.md"), end="")
     print(f"wrote {out / 'summary.json'}, {out / 'summary.md'}, {out / 'pass_at_k.png'}", file=sys.stderr)
     return 0
 

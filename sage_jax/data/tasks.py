@@ -15,6 +15,16 @@ from sage_jax.data import loaders
 from sage_jax.data.loaders import Example
 
 
+
+def encode_prompt_text(tokenizer: Any, template: str, text: str) -> list[int]:
+    """A rendered prompt's ids as training, evaluation and SFT all feed it: a chat-rendered prompt as written (its
+    template wrote any BOS), a plain-text one with the BOS the tokenizer's own encode adds (never twice)."""
+    from sage_jax.data.templates import is_chat
+    ids = list(tokenizer.encode(text))
+    with_bos = getattr(tokenizer, "with_bos", None)  # the countdown tokenizer's encode adds its own <bos>
+    return ids if with_bos is None or is_chat(template) else with_bos(ids)
+
+
 @dataclasses.dataclass
 class Task:
     name: str
@@ -32,10 +42,7 @@ class Task:
     def encode_prompt(self, ex: Example) -> list[int]:
         """The prompt's ids: a chat-rendered prompt as written (its template wrote any BOS, as transformers'
         apply_chat_template(tokenize=True)); a plain-text one with the BOS the tokenizer's own encode adds."""
-        from sage_jax.data.templates import is_chat
-        ids = list(self.tokenizer.encode(self.prompt_text(ex)))
-        with_bos = getattr(self.tokenizer, "with_bos", None)  # the countdown tokenizer's encode adds its own <bos>
-        return ids if with_bos is None or is_chat(self.template) else with_bos(ids)
+        return encode_prompt_text(self.tokenizer, self.template, self.prompt_text(ex))
 
     def gold(self, ex: Example) -> Any:
         """What the reward function compares against."""

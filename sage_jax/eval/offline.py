@@ -19,6 +19,7 @@ import numpy as np
 
 from sage_jax.eval import passk as evaluation
 from sage_jax.eval.source import ModelSource, default_out, load_model, load_tokenizer, resolve_model
+from sage_jax.run import paths
 
 COUNTDOWN_SETS = {"countdown": "test", "countdown_ood": "test_ood"}
 SETTINGS_FILE = "eval_settings.json"
@@ -158,8 +159,9 @@ class PooledScorer:
 def check_settings(out: Path, settings: dict[str, Any]) -> None:
     """Samples in OUT are only resumed under the settings that drew them."""
     path = out / SETTINGS_FILE
-    if path.is_file():
-        old = json.loads(path.read_text())
+    saved = paths.read_agreed(path)  # process 0's file on every process: all refuse or go on alike
+    if saved is not None:
+        old = json.loads(saved)
         changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
         if changed:
             what = ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items())
@@ -207,8 +209,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         datasets[key] = (name, reward_for(name, task), load_examples(name, data_dir, args.limit, run_config, data_seed))
     tokenizer = load_tokenizer(source, task, args.tokenizer)
     dtype = args.dtype or (str(run_config.model.compute_dtype) if run_config is not None else "bfloat16")
-    out = Path(args.out) if args.out else default_out(source)
-    settings = {"model": str(source.path.resolve()), "source": source.kind, "step": source.step, "task": task,
+    out = paths.path(args.out) if args.out else default_out(source)  # a local folder or a gs:// prefix
+    settings = {"model": paths.absolute(source.path), "source": source.kind, "step": source.step, "task": task,
                 "n": args.n, "template": args.template or "auto", "temperature": args.temperature,
                 "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
                 "max_new_tokens": args.max_new_tokens, "seed": args.seed, "data_seed": data_seed, "dtype": dtype}
@@ -250,7 +252,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                                timeout_s=args.reward_timeout))
             gold = tasks.Task(reward, reward, tokenizer, template, [], {}).gold
             scorer = PooledScorer(pools[reward], gold, examples,
-                                  lambda ex, t=template: tokenizer.encode(render(t, ex.problem)))
+                                  lambda ex, t=template: tasks.encode_prompt_text(tokenizer, t, render(t, ex.problem)))
             print(f"{key}: {len(examples)} problems, reward {reward}, template {template}", file=sys.stderr)
             results[key] = evaluation.evaluate(
                 tokenizer, examples, scorer, n=args.n, ks=ks, out_dir=out / key,

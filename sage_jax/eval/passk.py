@@ -1,18 +1,21 @@
-"""pass@k estimation, result tables / plots, resumable sample logs and the sampling eval loop."""
+"""pass@k estimation, result tables / plots, resumable sample logs and the sampling eval loop.
+
+Every output file goes through run/paths.py: an output folder may be local or a gs:// prefix."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 import zlib
-from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 import numpy as np
 
 from sage_jax.models import sharding
+from sage_jax.run import paths
 from sage_jax.sampling import sampler
 
 RewardFn = Callable[[str, Any], float]  # (completion text, Example) -> reward in [0, 1]
@@ -80,11 +83,7 @@ def markdown_table(results: Mapping[str, Mapping[int, float]], ks: Sequence[int]
 
 
 def _atomic_write(path: str | os.PathLike, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    paths.write_text(path, text)  # a temporary name then a rename locally; one upload on a bucket
 
 
 def write_markdown(path: str | os.PathLike, results: Mapping[str, Mapping[int, float]],
@@ -116,9 +115,10 @@ def plot_pass_at_k(curves: Mapping[str, Mapping[int, float]], path: str | os.Pat
     if title:
         ax.set_title(title)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
+    paths.write_bytes(path, buf.getvalue())
 
 # ------------------------------------------------------------------------------------------------ sample log
 
@@ -132,15 +132,15 @@ class EvalRecorder:
     """
 
     def __init__(self, path: str | os.PathLike, write: bool = True):
-        self.path = Path(path)
+        self.path = paths.path(path)
         self.write = write
         self.records: list[dict[str, Any]] = []
         self._ids: set[str] = set()
-        if self.path.exists():
-            self._load()
+        data = paths.read_agreed(self.path)  # process 0's file on every process: they all sample the same problems
+        if data is not None:
+            self._load(data)
 
-    def _load(self) -> None:
-        data = self.path.read_bytes()
+    def _load(self, data: bytes) -> None:
         pos, lineno = 0, 0
         while pos < len(data):
             newline = data.find(b"\n", pos)
@@ -155,8 +155,7 @@ class EvalRecorder:
                 if not isinstance(record, dict) or "id" not in record:
                     if is_last:  # interrupted write: forget it, the problem is re-run
                         if self.write:
-                            with open(self.path, "r+b") as f:
-                                f.truncate(pos)
+                            paths.write_bytes(self.path, data[:pos])
                         return
                     raise ValueError(f"{self.path}:{lineno}: corrupt sample record; delete that line (the problem"
                                      " is then re-run) or the whole file")
@@ -164,8 +163,7 @@ class EvalRecorder:
                 self._ids.add(str(record["id"]))
             pos = end
         if data and not data.endswith(b"\n") and self.write:
-            with open(self.path, "ab") as f:  # a complete last record that lost its newline
-                f.write(b"\n")
+            paths.append_text(self.path, "\n")  # a complete last record that lost its newline
 
     @property
     def done(self) -> set[str]:
@@ -182,10 +180,7 @@ class EvalRecorder:
             raise ValueError("sample records need an 'id'")
         record = dict(record, id=str(record["id"]))
         if self.write:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record, ensure_ascii=False) + "\n")
-                f.flush()
+            paths.append_text(self.path, json.dumps(record, ensure_ascii=False) + "\n")
         self.records.append(record)
         self._ids.add(record["id"])
 
@@ -267,6 +262,7 @@ def evaluate(
     make_generate_fn). Writes out_dir/{samples.jsonl, results.json,
     results.md, pass_at_k.png} and returns the results dict.
     """
+    from sage_jax.data.tasks import encode_prompt_text
     from sage_jax.data.templates import render
     from tqdm.auto import tqdm
 
@@ -274,7 +270,7 @@ def evaluate(
     if any(k > n or k < 1 for k in ks):
         raise ValueError(f"every k must be in [1, n={n}], got {ks}")
     reward_fn = get_reward_fn(reward_name)
-    out_dir = Path(out_dir)
+    out_dir = paths.path(out_dir)
     # every process samples (the sampler is a collective) and scores; only the first writes files (a multi-host run
     # resumes from out_dir, so it must be on a filesystem all hosts read, as the checkpoints are)
     primary = jax.process_index() == 0
@@ -294,7 +290,7 @@ def evaluate(
     for start in range(0, len(todo), batch_problems):
         batch = todo[start:start + batch_problems]
         prompts = [render(template, ex.problem) for _, ex in batch]
-        completions = generate_fn([tokenizer.encode(p) for p in prompts], n)
+        completions = generate_fn([encode_prompt_text(tokenizer, template, p) for p in prompts], n)
         if len(completions) != len(batch) or any(len(c) != n for c in completions):
             raise ValueError(f"generate_fn returned {[len(c) for c in completions]} completions for {len(batch)}"
                              f" prompts; expected {n} per prompt")

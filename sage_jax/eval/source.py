@@ -1,5 +1,8 @@
 """Where `python -m sage_jax.evaluate --model` points: an HF directory or a training workdir (its hf_export/, or an RL
 checkpoint rebuilt from the run's config.json), and loading its tokenizer and params onto a mesh.
+
+A training workdir may be a gs:// one (read through run/paths.py); there its RL checkpoint is evaluated, since an HF
+folder is read from a local disk only.
 """
 
 from __future__ import annotations
@@ -8,6 +11,8 @@ import dataclasses
 import json
 from pathlib import Path
 from typing import Any
+
+from sage_jax.run import paths
 
 
 @dataclasses.dataclass
@@ -37,14 +42,14 @@ def read_run_config(workdir: Path) -> Any:
 
 
 def resolve_model(model: str, step: int | None = None) -> ModelSource:
-    path = Path(model).expanduser()
+    path = paths.path(model) if paths.is_remote(model) else Path(model).expanduser()
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {path} does not exist; pass an HF model directory or a training "
                                 "workdir to --model")
     run_config = read_run_config(path)
     if run_config is not None:  # a training workdir
         export = path / "hf_export"
-        if step is None and (export / "config.json").is_file() and _has_weights(export):
+        if step is None and not paths.is_remote(path) and (export / "config.json").is_file() and _has_weights(export):
             return ModelSource("hf", export, run_config=run_config, workdir=path)
         steps = checkpoint_steps(path / "rl")
         if not steps:

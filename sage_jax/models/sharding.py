@@ -217,6 +217,20 @@ def initialize_distributed() -> None:
     elif (os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("CLOUD_TPU_TASK_ID")) and \
             os.environ.get("JAX_PLATFORMS", "") != "cpu":  # CPU runs beside libtpu's host variables stay local
         jax.distributed.initialize()
+    if jax.process_count() > 1:
+        _orbax_barriers_off_the_devices()
+
+
+def _orbax_barriers_off_the_devices() -> None:
+    """orbax's checkpoint barriers are by default a device collective (sync_global_devices) issued from its commit
+    thread, which can land between the training thread's programs in another order on each process (JAX's
+    multi-controller rule; jax.thread_guard refuses it). Its flag experimental_orbax_use_distributed_barrier makes
+    them barriers of the distributed runtime's coordinator instead, which any thread may wait on."""
+    from absl import flags
+    import orbax.checkpoint  # noqa: F401  (defines the flag)
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()  # the defaults, as absl.app would parse an empty command line
+    flags.FLAGS.experimental_orbax_use_distributed_barrier = True
 
 
 def to_host(tree: Any) -> Any:
@@ -228,6 +242,37 @@ def to_host(tree: Any) -> Any:
             return np.asarray(jax.device_get(x))
         return np.array(multihost_utils.process_allgather(x, tiled=True))
     return jax.tree.map(one, tree)
+
+
+def gather(tree: Any) -> Any:
+    """The device half of to_host, dispatched and not waited for: each array spread over several processes is
+    replicated on its mesh (one all-gather). to_host of the result then reads local copies only, so it may run on
+    another thread than the one that issues the multi-process operations (jax.thread_guard)."""
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated or \
+                not isinstance(x.sharding, NamedSharding):
+            return x  # local already, or left to to_host's own gather
+        return _replicator(x.sharding.mesh)(x)
+    return jax.tree.map(one, tree)
+
+
+def fingerprint(tree: Any) -> str:
+    """A digest of the exact bits of every array in `tree`, the same for any sharding or mesh: per leaf, wrapping
+    uint32 sums of each element's bits times two odd multipliers of its position (exact, so the order of the
+    reduction does not matter), so a changed, moved or swapped element changes it. One pass over the arrays."""
+    import hashlib
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    sums = np.asarray(to_host(jax.jit(lambda xs: [_bit_sums(x) for x in xs])([x for _, x in leaves])))
+    text = ";".join(f"{jax.tree_util.keystr(p)}:{x.shape}:{x.dtype}" for p, x in leaves)
+    return hashlib.sha256(text.encode() + sums.astype("<u4").tobytes()).hexdigest()[:16]
+
+
+def _bit_sums(x: jax.Array) -> jax.Array:
+    import jax.numpy as jnp
+    bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")).astype(jnp.uint32)
+    pos = sum((jax.lax.broadcasted_iota(jnp.uint32, x.shape, d) * np.uint32(math.prod(x.shape[d + 1:]) % 2 ** 32)
+               for d in range(x.ndim)), jnp.zeros(x.shape, jnp.uint32))
+    return jnp.stack([jnp.sum(bits * (pos * np.uint32(2654435761) | 1)), jnp.sum(bits * (pos * np.uint32(40503) + 7))])
 
 
 def allgather_rows(local: np.ndarray) -> np.ndarray:

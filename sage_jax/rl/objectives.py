@@ -223,7 +223,7 @@ class LossConfig:
     eps_low: float = 0.2
     eps_high: float = 0.2
     dual_clip: float = 0.0
-    tis_cap: float = 0.0
+    tis_cap: float = 0.0  # caps exp(old_logp - sampler_logp); off-policy old_logp IS the sampler's: no effect there
     aggregation: str = "seq-mean-token-mean"
     norm_len: int = 0  # Dr.GRPO's constant divisor (trainer.loss_config: rollout.max_new_tokens); 0 = the width C
     mask_truncated: bool = False

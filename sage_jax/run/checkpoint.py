@@ -23,7 +23,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from sage_jax.run import metrics_log as slog
+from sage_jax.run import metrics_log as slog, paths
 from sage_jax.run.save_errors import quiet_failures as _quiet_failures, write_failure as _write_failure
 
 log = pylogging.getLogger(__name__)
@@ -356,19 +356,21 @@ def export_hf(workdir: str | os.PathLike, cfg: Any, params: Any, tokenizer: Any 
     ids go to generation_config.json only (hf_config.export_configs)."""
     from sage_jax.models import decoder as model
     out = os.path.join(os.fspath(workdir), "hf_export")
-    model.save_hf(out, cfg, params)
-    if tokenizer is not None and jax.process_index() == 0:
-        hf_tokenizer(tokenizer).save_pretrained(out)
-    hf = getattr(tokenizer, "hf", None)
-    source = source or getattr(hf, "name_or_path", None)
-    source_config = epath.Path(source) / "config.json" if source else None
-    if source_config is not None and source_config.exists() and jax.process_index() == 0:
-        from sage_jax.models import hf_config
-        generation_file = source_config.parent / "generation_config.json"
-        generation = json.loads(generation_file.read_text()) if generation_file.exists() else None
-        config, generation = hf_config.export_configs(cfg, json.loads(source_config.read_text()), generation)
-        (epath.Path(out) / "config.json").write_text(json.dumps(config, indent=2))
-        (epath.Path(out) / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    writer = jax.process_index() == 0
+    with paths.staged_dir(out, writer) as local:  # safetensors and transformers write local files only
+        model.save_hf(local, cfg, params)
+        if tokenizer is not None and writer:
+            hf_tokenizer(tokenizer).save_pretrained(local)
+        hf = getattr(tokenizer, "hf", None)
+        source = source or getattr(hf, "name_or_path", None)
+        source_config = epath.Path(source) / "config.json" if source else None
+        if source_config is not None and source_config.exists() and writer:
+            from sage_jax.models import hf_config
+            generation_file = source_config.parent / "generation_config.json"
+            generation = json.loads(generation_file.read_text()) if generation_file.exists() else None
+            config, generation = hf_config.export_configs(cfg, json.loads(source_config.read_text()), generation)
+            (epath.Path(local) / "config.json").write_text(json.dumps(config, indent=2))
+            (epath.Path(local) / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return out
 
 
@@ -402,7 +404,7 @@ def hf_tokenizer(tokenizer: Any) -> Any:
 def restore_params(workdir: str | os.PathLike, step: int, abstract_params: Any, dtype: Any) -> Any:
     """Only the params of an RL checkpoint, read straight onto their shardings. Read-only: unlike
     Checkpointer it never cleans up temporary folders, so a run still training there is left alone."""
-    state_dir = (epath.Path(workdir) / "checkpoints" / str(step) / "state").resolve()
+    state_dir = epath.Path(paths.absolute(os.path.join(os.fspath(workdir), "checkpoints", str(step), "state")))
     restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
                                                                dtype=np.dtype(dtype)), abstract_params)
     try:

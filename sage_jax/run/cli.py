@@ -42,7 +42,8 @@ def parse(argv: Sequence[str] | None, description: str, extra: Callable[[argpars
     if extra:
         extra(parser)
     args = parser.parse_args(rest)
-    if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
+    from sage_jax.run import paths  # a local folder or a gs:// bucket alike
+    if paths.isfile(args.workdir):
         raise config_lib.ConfigError(f"--workdir {args.workdir!r} is a file, not a directory: pass a directory path "
                                      "(it is created if missing)")
     return config_lib.validate(config_lib.load(args.config, overrides)), args
@@ -76,11 +77,31 @@ def main_guard(fn: Callable[[], int | None]) -> None:
         if os.environ.get("SAGE_DEBUG"):
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
+        _leave_together()
         if as_main:  # orbax / tensorstore threads still running would print tracebacks at interpreter shutdown
             _exit_now(2)
         sys.exit(2)
     finally:
         run_guard.release_all()
+        for handler in pylogging.getLogger().handlers:  # log.txt on a bucket: before gcsfs closes at exit
+            handler.flush()
+
+
+def _leave_together() -> None:
+    """On several processes a user error (a config or mesh check: the same on every process) ends them together:
+    process 0 hosts the coordination service, and once it is gone a process still running aborts with the
+    runtime's stack trace instead of its one-line error. Shutting the distributed runtime down waits for every
+    process (at most its shutdown timeout, should only some of them have failed)."""
+    if "jax" not in sys.modules:
+        return
+    try:
+        from jax._src.distributed import global_state  # no public "is it initialized?" in this JAX
+        if global_state.client is None:
+            return
+        import jax
+        jax.distributed.shutdown()
+    except Exception:  # noqa: BLE001 - leaving anyway; the error line is already printed
+        pass
 
 
 def _exit_now(code: int) -> None:
@@ -102,7 +123,8 @@ def setup_runtime(workdir: str) -> None:
     from sage_jax.models import sharding
     from sage_jax.run import guard as run_guard
     from sage_jax.run import metrics_log as slog
+    from sage_jax.run import paths
     sharding.initialize_distributed()
-    os.makedirs(workdir, exist_ok=True)
+    paths.makedirs(workdir)
     run_guard.acquire(workdir)
     slog.setup_python_logging(workdir, pylogging.INFO)

@@ -1,9 +1,20 @@
 """What keeps a training run's workdir honest: one run per workdir (a lock file), and a stop on SIGTERM / SIGINT at
 a step boundary that saves the last completed step first.
 
-Lock: WORKDIR/run.lock holds {"pid", "host", "start", "since", "command"} of the run holding it (written by process
-0). A second run exits at once naming the holder; a lock whose process is gone (same host, pid not alive or reused)
-is taken over with a warning. A lock written on another host is never taken over (its pid cannot be checked there).
+Lock: WORKDIR/run.lock holds {"pid", "host", "start", "since", "command", "token", "beat", "beat_s"} of the run
+holding it (written by process 0, on a local disk, a shared filesystem or a bucket alike: run/paths.py). It is a
+lease: a daemon thread of the holder rewrites "beat" (its wall-clock time) every BEAT_S seconds (30;
+SAGE_LEASE_BEAT_S). A second run exits naming the holder while it lives. A lock is taken over, with a warning, only
+when its holder is dead: on the same host, when its pid is not alive (or reused), as before, at once; on another
+host, when its beat is MISSED_BEATS (3) intervals old. A beat younger than that is watched (a warning says so):
+renewed, the run exits 2 naming the holder; not renewed by the time it is that old, the lock is taken over. So a run
+requeued onto another node after a SIGKILL waits out the dead run's lease (at most 90 s) and goes on, and a live
+run's lock is never taken. The age is the holder's clock against this one's: the hosts' clocks must agree to well
+within the 90 s (NTP). A lock without a beat (an older version's) from another host is never taken over. A new lock
+is created exclusively (O_EXCL; GCS's create-if-absent precondition) after reading that there is none; on a bucket,
+where a store may not refuse to create over an object and a take-over is a plain overwrite, the new holder reads its
+lock back SETTLE_S seconds later and only holds it if its token is still there. A holder that finds another token at
+a renewal logs an error and stops renewing.
 
 Stop: inside the step loop (`StepStop.steps`), the first SIGTERM or SIGINT only sets a flag; the step in flight
 finishes, every process agrees on the flag at the step boundary (one tiny allgather), the last completed step is
@@ -26,6 +37,8 @@ import sys
 import threading
 import time
 from typing import Any, Callable, Iterator, Sequence
+
+from sage_jax.run import paths
 
 log = pylogging.getLogger("sage_jax")
 
@@ -52,6 +65,11 @@ class Stopped(SystemExit):
 # --------------------------------------------------------------------------------------------------- the lock
 
 _held: dict[str, int] = {}  # lock path -> nesting depth in this process (train holds it, run_rl/run_sft nest)
+_leases: dict[str, "_Heartbeat"] = {}  # lock path -> the thread renewing it (process 0)
+
+BEAT_S = float(os.environ.get("SAGE_LEASE_BEAT_S", "30"))  # the holder rewrites its lock's "beat" this often
+MISSED_BEATS = 3  # a lock of another host whose beat is older than this many of its intervals is stale
+SETTLE_S = 2.0  # on a bucket: the wait before a new holder reads its lock back (a racing writer's upload lands)
 
 
 def _process_index() -> int:
@@ -78,8 +96,9 @@ def _start_time(pid: int) -> str | None:
 
 
 def _alive(holder: dict[str, Any]) -> bool:
+    """Whether the lock's holder still runs, by its pid on this host (another host's lease: _watch)."""
     if holder.get("host") != socket.gethostname():
-        return True  # cannot look at another host's processes: assume it runs
+        return True  # a lock without a lease (an older version's): another host's pid cannot be checked
     pid = int(holder.get("pid", -1))
     if pid <= 0:
         return False
@@ -94,11 +113,10 @@ def _alive(holder: dict[str, Any]) -> bool:
 
 
 def _read_lock(path: str) -> dict[str, Any] | None:
-    """The holder, or None for an unreadable lock file (a crash between creating and writing it)."""
+    """The holder, {} if there is no lock, or None for an unreadable one (a crash between creating and writing it)."""
     for _ in range(3):  # a holder that just created the file may not have written it yet
         try:
-            with open(path, encoding="utf-8") as f:
-                holder = json.load(f)
+            holder = json.loads(paths.read_text(path))
             if isinstance(holder, dict):
                 return holder
         except FileNotFoundError:
@@ -109,68 +127,141 @@ def _read_lock(path: str) -> dict[str, Any] | None:
     return None
 
 
+def _leased_elsewhere(holder: dict[str, Any] | None) -> bool:
+    if not holder or holder.get("host") == socket.gethostname():
+        return False
+    try:
+        return float(holder["beat"]) > 0 and float(holder.get("beat_s", BEAT_S)) > 0
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def _watch(path: str, holder: dict[str, Any]) -> dict[str, Any] | None:
+    """Another host's lease: the lock as it is once renewed, replaced or removed (its holder runs, or the lock
+    changed hands), or `holder` itself once its beat is MISSED_BEATS intervals old (its holder is gone). A beat that
+    recent can be a live run's or a dead one's: the wait (at most those intervals) tells them apart."""
+    beat_s = float(holder.get("beat_s", BEAT_S))
+    left = MISSED_BEATS * beat_s - (time.time() - float(holder["beat"]))
+    if left > 0:
+        log.warning("the workdir's lock %s is held by %s, renewed %.0f s ago: waiting up to %.0f s to see whether "
+                    "that run renews it", path, _describe(holder), time.time() - float(holder["beat"]), left)
+    deadline = time.monotonic() + left
+    while time.monotonic() < deadline:
+        time.sleep(max(0.01, min(beat_s / 4, 5.0, deadline - time.monotonic())))
+        latest = _read_lock(path)
+        if latest != holder:
+            return latest
+    return holder
+
+
+def _busy(path: str, holder: dict[str, Any]) -> WorkdirBusy:
+    return WorkdirBusy(f"the workdir {os.path.dirname(path)} is in use by another run ({_describe(holder)}; lock file "
+                       f"{path}): wait for it to finish, stop it, or pass another --workdir; if that run is gone, "
+                       "delete the lock file")
+
+
 def _describe(holder: dict[str, Any]) -> str:
     return f"pid {holder.get('pid')} on host {holder.get('host')}, since {holder.get('since', '?')}"
 
 
-def _try_take(path: str) -> bool:
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid()),
-          "since": datetime.datetime.now().isoformat(timespec="seconds"), "command": shlex.join(sys.argv)}
+def _record() -> dict[str, Any]:
+    import uuid
+    return {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid()),
+            "since": datetime.datetime.now().isoformat(timespec="seconds"), "command": shlex.join(sys.argv),
+            "token": uuid.uuid4().hex, "beat": time.time(), "beat_s": BEAT_S}
+
+
+def _settled(path: str, me: dict[str, Any]) -> bool:
+    """On a bucket (no atomic create or rename everywhere), whether our write is the one that stayed."""
+    if not paths.is_remote(path):
+        return True
+    time.sleep(SETTLE_S)
+    return (_read_lock(path) or {}).get("token") == me["token"]
+
+
+def _take_over(path: str, holder: dict[str, Any] | None, me: dict[str, Any]) -> bool:
+    """Replace a dead holder's lock with ours; False if another run got there first."""
+    if paths.is_remote(path):
+        paths.write_text(path, json.dumps(me))
+        return _settled(path, me)
+    # move it aside under a name of our own, so two runs taking over the same stale lock cannot both win
+    aside = f"{path}.stale.{os.getpid()}"
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
+        os.rename(path, aside)
+    except FileNotFoundError:
         return False
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(me, f)
-    return True
+    if _read_lock(aside) != holder and holder is not None:  # someone else's fresh lock: put it back
+        os.rename(aside, path)
+        return False
+    os.unlink(aside)
+    return paths.create_text(path, json.dumps(me))
 
 
-def _acquire(path: str) -> None:
+def _acquire(path: str) -> dict[str, Any]:
+    me = _record()
     for _ in range(5):
-        if _try_take(path):
-            return
-        holder = _read_lock(path)
+        holder = _read_lock(path)  # first: a bucket may not refuse to create over an existing object
         if holder == {}:
-            continue  # released meanwhile
-        if holder is not None and _alive(holder):
-            raise WorkdirBusy(f"the workdir {os.path.dirname(path)} is in use by another run ({_describe(holder)}; "
-                              f"lock file {path}): wait for it to finish, stop it, or pass another --workdir; if that "
-                              "run is gone, delete the lock file")
-        what = "unreadable lock" if holder is None else f"stale lock of {_describe(holder)} (no longer running)"
-        # move it aside under a name of our own, so two runs taking over the same stale lock cannot both win
-        aside = f"{path}.stale.{os.getpid()}"
-        try:
-            os.rename(path, aside)
-        except FileNotFoundError:
+            if paths.create_text(path, json.dumps(me)) and _settled(path, me):
+                return me
             continue
-        if _read_lock(aside) != holder and holder is not None:  # someone else's fresh lock: put it back
-            os.rename(aside, path)
-            continue
-        os.unlink(aside)
-        log.warning("took over the %s: %s", what, path)
+        if _leased_elsewhere(holder):
+            latest = _watch(path, holder)
+            if latest != holder:
+                if latest and latest.get("token") == holder.get("token"):
+                    raise _busy(path, latest)  # renewed: that run is alive
+                continue  # released or taken meanwhile: look again
+        elif holder is not None and _alive(holder):
+            raise _busy(path, holder)
+        if _take_over(path, holder, me):
+            what = "unreadable lock" if holder is None else f"stale lock of {_describe(holder)} (no longer running)"
+            log.warning("took over the %s: %s", what, path)
+            return me
     raise WorkdirBusy(f"could not take the lock {path} (other runs keep taking it): pass another --workdir")
 
 
-def _lock_path(workdir: str) -> str | None:
-    if "://" in str(workdir):
-        return None  # an object store has no atomic create; multi-host launchers keep one run per pod themselves
-    return os.path.join(os.path.realpath(workdir), LOCK_NAME)
+class _Heartbeat(threading.Thread):
+    """Renews a held lock's beat every BEAT_S seconds, so another host can tell a live run from a dead one."""
+
+    def __init__(self, path: str, me: dict[str, Any]):
+        super().__init__(name="sage-lease", daemon=True)
+        self.path, self.me, self.stopped = path, me, threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(BEAT_S):
+            holder = _read_lock(self.path)
+            if holder is not None and holder.get("token") != self.me["token"]:
+                log.error("the lock %s is no longer this run's (now %s): another run may write to this workdir",
+                          self.path, _describe(holder) if holder else "deleted")
+                return
+            try:
+                paths.write_text(self.path, json.dumps({**self.me, "beat": time.time()}))
+            except OSError as e:
+                log.warning("could not renew the lock %s (%s); trying again in %.0f s", self.path, e, BEAT_S)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(timeout=10)
+
+
+def _lock_path(workdir: str) -> str:
+    return os.path.join(paths.absolute(workdir), LOCK_NAME)
 
 
 def acquire(workdir: str) -> None:
     """Take WORKDIR/run.lock for this process (re-entrant); WorkdirBusy if a live run holds it. Call on every
-    process: process 0 takes the lock and all of them agree on the outcome."""
+    process: process 0 takes the lock (and renews its lease) and all of them agree on the outcome."""
     path = _lock_path(workdir)
-    if path is None:
-        return
     if path in _held:
         _held[path] += 1
         return
     error: WorkdirBusy | None = None
     if _process_index() == 0:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        paths.makedirs(os.path.dirname(path))
         try:
-            _acquire(path)
+            _leases[path] = _Heartbeat(path, _acquire(path))
+            _leases[path].start()
         except WorkdirBusy as e:
             error = e
     if not _all_agree(error is None):
@@ -181,14 +272,18 @@ def acquire(workdir: str) -> None:
 
 
 def _remove(path: str) -> None:
+    lease = _leases.pop(path, None)
+    if lease is None:
+        return
+    lease.stop()
     with contextlib.suppress(OSError):
-        if (_read_lock(path) or {}).get("pid") == os.getpid():
-            os.unlink(path)
+        if (_read_lock(path) or {}).get("token") == lease.me["token"]:
+            paths.remove(path)
 
 
 def release(workdir: str) -> None:
     path = _lock_path(workdir)
-    if path is None or path not in _held:
+    if path not in _held:
         return
     _held[path] -= 1
     if _held[path] == 0:
@@ -238,11 +333,13 @@ class StepStop:
     """The step loop's stop on SIGTERM / SIGINT: `for step in stop.steps(start, end): ...`.
 
     save(done) writes checkpoint `done` (called only if the newest checkpoint is older), flush() reports the late
-    metrics first, closers are closed (logger, progress bar) before the run exits with Stopped."""
+    metrics first, then(done) saves what may take longer once the state is on disk (the off-policy batches in
+    flight: a preemption notice may run out while they finish), closers are closed (logger, progress bar) before the
+    run exits with Stopped. A second signal raises at once, also while then() waits."""
 
     def __init__(self, what: str, ckpt, save: Callable[[int], Any], flush: Callable[[], Any] = lambda: None,
-                 closers: Sequence[Any] = ()):
-        self.what, self.ckpt, self.save, self.flush, self.closers = what, ckpt, save, flush, closers
+                 closers: Sequence[Any] = (), then: Callable[[int], Any] = lambda done: None):
+        self.what, self.ckpt, self.save, self.flush, self.closers, self.then = what, ckpt, save, flush, closers, then
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
 
@@ -291,7 +388,8 @@ class StepStop:
         self.flush()
         if self.ckpt.latest_step() != done:
             self.save(done)
-        self.ckpt.wait()
+        self.ckpt.wait()  # the state is on disk
+        self.then(done)
         for c in self.closers:
             c.close()
         jax = sys.modules.get("jax")

@@ -2,21 +2,28 @@
 metric fetching, the NaN guard, and stdlib logging to console and WORKDIR/log.txt.
 
 Import as `from sage_jax.run import metrics_log as slog` (named so that it shadows no standard-library module).
-Only the primary process (jax.process_index() == 0) writes files.
+Only the primary process (jax.process_index() == 0) writes files. Every file goes through run/paths.py, so a gs://
+workdir gets them in the bucket: metrics.jsonl and samples.jsonl are appended to with one compose per log call, and
+log.txt is appended to in batches (_BucketLog).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import logging as pylogging
 import math
 import os
 import sys
+import threading
 import time
 from typing import Any, Mapping, Sequence, TextIO
 
 import jax
 import numpy as np
+
+from sage_jax.run import paths
 
 log = pylogging.getLogger(__name__)
 
@@ -54,23 +61,23 @@ class MetricsLogger:
                  resume_step: int | None = None):
         self.workdir = os.fspath(workdir)
         self.enabled = _is_primary(is_primary)
-        self._metrics_file: TextIO | None = None
-        self._samples_file: TextIO | None = None
+        self._metrics_file: str | None = None  # the paths appended to (None once closed)
+        self._samples_file: str | None = None
         self._tb = None
         self._wandb = None
         if not self.enabled:
             return
-        os.makedirs(self.workdir, exist_ok=True)
-        if resume_step is not None:
-            for name in ("metrics.jsonl", "samples.jsonl"):
+        paths.makedirs(self.workdir)
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            paths.remove_parts(os.path.join(self.workdir, name))  # a killed append's leftovers (on a bucket)
+            if resume_step is not None:
                 _drop_rows_from(os.path.join(self.workdir, name), int(resume_step))
-        self._metrics_file = open(os.path.join(self.workdir, "metrics.jsonl"), "a", encoding="utf-8")
-        self._samples_file = open(os.path.join(self.workdir, "samples.jsonl"), "a", encoding="utf-8")
+        self._metrics_file = os.path.join(self.workdir, "metrics.jsonl")
+        self._samples_file = os.path.join(self.workdir, "samples.jsonl")
         config_json = None
         if config_dict is not None:
             config_json = json.dumps(_plain(config_dict), indent=2, sort_keys=True, default=str)
-            with open(os.path.join(self.workdir, "config.json"), "w", encoding="utf-8") as f:
-                f.write(config_json + "\n")
+            paths.write_text(os.path.join(self.workdir, "config.json"), config_json + "\n")
         if use_tensorboard:
             from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(os.path.join(self.workdir, "tb"), flush_secs=30)
@@ -82,7 +89,8 @@ class MetricsLogger:
             except ImportError:
                 log.warning("use_wandb=True but wandb is not installed (pip install wandb); logging without it")
             else:
-                self._wandb = wandb.init(dir=self.workdir, name=os.path.basename(os.path.abspath(self.workdir)),
+                local = None if paths.is_remote(self.workdir) else self.workdir  # wandb writes ./wandb then
+                self._wandb = wandb.init(dir=local, name=os.path.basename(paths.absolute(self.workdir).rstrip("/")),
                                          config=_plain(config_dict) if config_dict is not None else None,
                                          resume="allow")
 
@@ -92,8 +100,7 @@ class MetricsLogger:
         step = int(step)
         values = {k: _scalar(k, v) for k, v in metrics.items()}
         row = {"step": step, "time": time.time(), **{k: _finite_or_none(v) for k, v in values.items()}}
-        self._metrics_file.write(json.dumps(row) + "\n")
-        self._metrics_file.flush()
+        paths.append_text(self._metrics_file, json.dumps(row) + "\n")
         if self._tb is not None:
             for k, v in values.items():
                 self._tb.add_scalar(k, v, step)
@@ -105,9 +112,8 @@ class MetricsLogger:
         if not self.enabled or not samples:
             return
         step = int(step)
-        for s in samples:
-            self._samples_file.write(json.dumps({"step": step, **_plain(dict(s))}, default=str) + "\n")
-        self._samples_file.flush()
+        paths.append_text(self._samples_file, "".join(json.dumps({"step": step, **_plain(dict(s))}, default=str) + "\n"
+                                                      for s in samples))
         if self._tb is not None:
             self._tb.add_text("samples", _samples_markdown(samples), step)
 
@@ -116,9 +122,6 @@ class MetricsLogger:
             self._tb.flush()
 
     def close(self) -> None:
-        for f in (self._metrics_file, self._samples_file):
-            if f is not None:
-                f.close()
         self._metrics_file = self._samples_file = None
         if self._tb is not None:
             self._tb.close()
@@ -130,21 +133,19 @@ class MetricsLogger:
 
 def _drop_rows_from(path: str, step: int) -> None:
     """Rewrite a JSONL log without the rows of steps >= step (and any line cut off by a kill)."""
-    if not os.path.exists(path):
+    try:
+        lines = paths.read_text(path).splitlines(keepends=True)
+    except FileNotFoundError:
         return
     kept = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < step:
-                kept.append(line if line.endswith("\n") else line + "\n")
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    paths.write_text(path, "".join(kept))
 
 
 def _plain(x: Any) -> Any:
@@ -241,7 +242,7 @@ class Progress:
             log.handle(record)
             return
         for handler in pylogging.getLogger().handlers:
-            if isinstance(handler, pylogging.FileHandler) and record.levelno >= handler.level:
+            if isinstance(handler, (pylogging.FileHandler, _BucketLog)) and record.levelno >= handler.level:
                 handler.handle(record)
 
     def close(self) -> None:
@@ -292,7 +293,57 @@ def check_finite(step: int, metrics: Mapping[str, Any], last_good_checkpoint_ste
 
 
 # -- stdlib logging --------------------------------------------------------------------------------------------------
-_NOISY_LOGGERS = ("absl", "jax._src", "orbax", "tensorstore", "urllib3", "filelock")
+class _BucketLog(pylogging.Handler):
+    """log.txt on a bucket: lines are held and appended (paths.append_text) at most every FLUSH_S seconds, at once
+    for a warning or an error, and at close (logging.shutdown); a kill loses at most the last FLUSH_S seconds.
+
+    No lock is held while a record is handled: an upload waits on gcsfs's event-loop thread, which logs too, and a
+    record that arrives during an upload (from any thread) only joins the lines the next one takes."""
+    FLUSH_S = 10.0
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path, self._lines, self._last = path, collections.deque(), time.monotonic()
+        self._upload = threading.Lock()
+
+    def handle(self, record: pylogging.LogRecord) -> bool:
+        if self.filter(record):
+            self.emit(record)
+            return True
+        return False
+
+    def emit(self, record: pylogging.LogRecord) -> None:
+        try:
+            self._lines.append(self.format(record) + "\n")
+            if record.levelno >= pylogging.WARNING or time.monotonic() - self._last >= self.FLUSH_S:
+                self._write(wait=0)
+        except Exception:  # noqa: BLE001 - logging must not raise
+            self.handleError(record)
+
+    def _write(self, wait: float) -> None:
+        got = self._upload.acquire(timeout=wait) if wait else self._upload.acquire(blocking=False)
+        if not got:
+            return  # another upload is under way (maybe this thread's own: a record it logged)
+        try:
+            self._last, lines = time.monotonic(), []
+            while self._lines:
+                lines.append(self._lines.popleft())
+            if lines:
+                paths.append_text(self.path, "".join(lines))
+        finally:
+            self._upload.release()
+
+    def flush(self) -> None:
+        """Called by cli.main_guard before the process ends: at interpreter exit gcsfs's session is closed."""
+        with contextlib.suppress(Exception):  # logging.shutdown at exit must not raise
+            self._write(wait=30)
+
+    def close(self) -> None:
+        self.flush()
+        super().close()
+
+
+_NOISY_LOGGERS = ("absl", "jax._src", "orbax", "tensorstore", "urllib3", "filelock", "fsspec", "gcsfs", "google")
 
 
 def setup_python_logging(workdir: str | os.PathLike | None = None, level: int | str = "INFO",
@@ -317,8 +368,11 @@ def setup_python_logging(workdir: str | os.PathLike | None = None, level: int | 
     handlers: list[pylogging.Handler] = [pylogging.StreamHandler(sys.stderr)]
     handlers[0].setLevel(level if primary else max(level, pylogging.WARNING))
     if primary and workdir is not None:
-        os.makedirs(workdir, exist_ok=True)
-        handlers.append(pylogging.FileHandler(os.path.join(workdir, "log.txt"), encoding="utf-8"))
+        paths.makedirs(workdir)
+        log_txt = os.path.join(os.fspath(workdir), "log.txt")
+        paths.remove_parts(log_txt)  # a killed append's leftovers (on a bucket)
+        handlers.append(_BucketLog(log_txt) if paths.is_remote(log_txt) else
+                        pylogging.FileHandler(log_txt, encoding="utf-8"))
         handlers[-1].setLevel(level)
     for h in handlers:
         h.setFormatter(formatter)

@@ -3,6 +3,7 @@ shape them into the loss's batch layout (padded or packed)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 import jax
@@ -14,18 +15,49 @@ from sage_jax.rl import objectives, packing
 from sage_jax.sampling import sampler
 from sage_jax.data.tokenizer import bucket_length
 
+log = logging.getLogger("sage_jax")
+
 COMPLETION_BUCKETS = tuple(32 * 2 ** i for i in range(12))
+
+# A collect in phases (`collect_phases`, `rollout_phases`): a generator that yields HOST before a stretch of host-only
+# work (reading fully replicated arrays, decoding, scoring this process's rows) and DEVICE before a stretch that may
+# issue operations spanning processes (sampling, gathers across processes); its first stretch is DEVICE. Run on one
+# thread (`run_phases`) it is the plain function. The off-policy pipeline runs the HOST stretches on its worker thread
+# and, on several processes, every DEVICE stretch on the main thread, so every process issues its multi-process
+# operations from one thread in one order (JAX's multi-controller rule; offpolicy.py, jax.thread_guard).
+HOST, DEVICE = "host", "device"
+
+
+def run_phases(phases) -> Any:
+    """Drive a phased collect to its end on this thread; its return value."""
+    try:
+        while True:
+            next(phases)
+    except StopIteration as done:
+        return done.value
 
 
 def rollout(task: tasks.Task, cfg, params, examples, rollout_cfg, key, max_prompt_len: int) -> dict[str, Any]:
     """Sample G completions per example. Host numpy arrays, rows grouped by prompt."""
-    prompts = [task.encode_prompt(ex)[-max_prompt_len:] for ex in examples]
+    return run_phases(rollout_phases(task, cfg, params, examples, rollout_cfg, key, max_prompt_len))
+
+
+def rollout_phases(task: tasks.Task, cfg, params, examples, rollout_cfg, key, max_prompt_len: int):
+    """rollout() in phases: sampling, and the gather of rows spread over processes, are dispatched (DEVICE); the
+    rows are then read and decoded (HOST)."""
+    prompts = [task.encode_prompt(ex) for ex in examples]
+    cut = sum(len(p) > max_prompt_len for p in prompts)
+    if cut:
+        _warn_cut(cut, len(prompts), max(map(len, prompts)), max_prompt_len)
+        prompts = [cut_prompt(p, max_prompt_len, task.tokenizer) for p in prompts]
     out = sampler.generate(cfg, params, prompts, max_new_tokens=rollout_cfg.max_new_tokens,
                            temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
                            min_p=rollout_cfg.min_p, eos_ids=cfg.eos_token_ids, seed=key,
                            num_samples=rollout_cfg.group_size, pad_id=cfg.pad_token_id,
                            slots=getattr(rollout_cfg, "slots", None))
-    out = sharding.to_host(out)  # every process gets all rows (all-gathered across hosts)
+    out = sharding.gather(out)  # every process gets all rows (all-gathered across hosts): dispatched here
+    yield HOST
+    out = sharding.to_host(out)
     G = rollout_cfg.group_size
     lengths = np.asarray(out.lengths)
     texts = [task.tokenizer.decode(row[:n]) for row, n in zip(np.asarray(out.tokens), lengths)]
@@ -33,12 +65,39 @@ def rollout(task: tasks.Task, cfg, params, examples, rollout_cfg, key, max_promp
             "tokens": np.asarray(out.tokens), "lengths": lengths, "finished": np.asarray(out.finished),
             "sampler_logp": np.asarray(out.logprobs), "texts": texts,
             "golds": [task.gold(ex) for ex in examples for _ in range(G)],
-            "prompts": [task.prompt_text(ex) for ex in examples for _ in range(G)]}
+            "prompts": [task.prompt_text(ex) for ex in examples for _ in range(G)], "prompts_cut": cut}
+
+
+_WARNED_CUT = []
+
+
+def _warn_cut(cut: int, total: int, longest: int, limit: int) -> None:
+    if not _WARNED_CUT:  # once a process: rl/prompts_cut counts them at every step
+        _WARNED_CUT.append(True)
+        log.warning("%d of %d prompts are longer than data.max_prompt_len=%d (the longest %d tokens): each keeps its "
+                    "last tokens (and its BOS); raise data.max_prompt_len to train on them whole (rl/prompts_cut "
+                    "counts them each step)", cut, total, limit, longest)
+
+
+def cut_prompt(ids: list[int], limit: int, tokenizer: Any = None) -> list[int]:
+    """The last `limit` tokens of a prompt (its question and the template's generation prompt), keeping the BOS
+    it starts with, if any."""
+    if len(ids) <= limit:
+        return ids
+    bos = getattr(tokenizer, "added_bos_id", None)
+    if bos is not None and ids[:1] == [bos] and limit > 1:
+        return [bos] + ids[len(ids) - limit + 1:]
+    return ids[len(ids) - limit:]
 
 
 def collect_rollouts(task: tasks.Task, cfg, config, pool, params, rl_step: int):
     """Rollouts + rewards (+ DAPO dynamic sampling) for one RL step; host arrays. Bound to its first four
     arguments (functools.partial) it is trainer.rl_step's CollectFn (`pool`: a rewards.pool.RewardPool)."""
+    return run_phases(collect_phases(task, cfg, config, pool, params, rl_step))
+
+
+def collect_phases(task: tasks.Task, cfg, config, pool, params, rl_step: int):
+    """collect_rollouts in phases (see HOST / DEVICE): what the off-policy pipeline (offpolicy.Pipeline) runs."""
     ro_cfg, tr = config.rollout, config.train
     G, B = ro_cfg.group_size, ro_cfg.prompts_per_step
     parts, kept = [], 0
@@ -46,10 +105,13 @@ def collect_rollouts(task: tasks.Task, cfg, config, pool, params, rl_step: int):
         examples = task.train_batch(rl_step * (1 + tr.max_resample) + attempt if tr.dynamic_sampling else rl_step,
                                     B, config.seed)
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.seed), rl_step), attempt)
-        ro = rollout(task, cfg, params, examples, ro_cfg, key, config.data.max_prompt_len)
+        ro = yield from rollout_phases(task, cfg, params, examples, ro_cfg, key, config.data.max_prompt_len)
         # each process scores its own share of the rows; everyone gets all rewards back
         mine = sharding.local_rows(len(ro["texts"]))
-        ro["rewards"] = sharding.allgather_rows(pool.score(ro["texts"][mine], ro["golds"][mine]).astype(np.float32))
+        yield HOST  # (a stopping point before the scoring: offpolicy.Pipeline cancels a batch there)
+        scores = pool.score(ro["texts"][mine], ro["golds"][mine]).astype(np.float32)
+        yield DEVICE
+        ro["rewards"] = sharding.allgather_rows(scores)
         ro["correct"] = (ro["rewards"] >= 1.0).astype(np.float32)
         ro["rewards"] = ro["rewards"] + overlong_penalty(ro["lengths"], ro_cfg.max_new_tokens, tr.overlong_buffer,
                                                          tr.overlong_penalty)
@@ -60,9 +122,11 @@ def collect_rollouts(task: tasks.Task, cfg, config, pool, params, rl_step: int):
         kept += int((~np.asarray(objectives.zero_variance_groups(ro["correct"], G))).sum())
         if kept >= B:
             break
+    cut = sum(part.pop("prompts_cut", 0) for part in parts)
     ro = concat_rollouts(parts, cfg.pad_token_id)
     zero_var = np.asarray(objectives.zero_variance_groups(ro["rewards"], G))
-    stats = {"rl/zero_var_groups": float(zero_var[:B].mean()) if not tr.dynamic_sampling else float(zero_var.mean())}
+    stats = {"rl/zero_var_groups": float(zero_var[:B].mean()) if not tr.dynamic_sampling else float(zero_var.mean()),
+             "rl/prompts_cut": float(cut)}
     if tr.dynamic_sampling:
         # informative groups first; degenerate ones only fill up what resampling could not
         same_accuracy = np.asarray(objectives.zero_variance_groups(ro["correct"], G))

@@ -49,7 +49,7 @@ def tokenize(task: tasks.Task, pairs, max_len: int) -> tuple[np.ndarray, np.ndar
     rows, loss_rows = [], []
     eos = task.tokenizer.eos_ids[0]
     for prompt, completion in pairs:
-        p = list(task.tokenizer.encode(prompt))
+        p = tasks.encode_prompt_text(task.tokenizer, task.template, prompt)
         c = list(task.tokenizer.encode_completion(completion)) if hasattr(task.tokenizer, "encode_completion") \
             else list(task.tokenizer.encode(completion)) + [eos]
         seq = (p + c)[:max_len]

@@ -22,7 +22,7 @@ from sage_jax.data import tasks
 from sage_jax.eval import passk as evaluation
 from sage_jax.models import build, lora, sharding
 from sage_jax.rl import guides, objectives, packing
-from sage_jax.run import checkpoint
+from sage_jax.run import checkpoint, paths
 from sage_jax.training import offpolicy, rollouts, supervised
 from sage_jax.run import config as config_lib
 from sage_jax.run import metrics_log as slog
@@ -30,7 +30,7 @@ from sage_jax.models import decoder as model_lib
 from sage_jax.run import guard as run_guard, record as run_record
 from sage_jax.training import step_timing, state as train_state
 from sage_jax.rewards.pool import RewardPool
-from sage_jax.training.rollouts import collect_rollouts  # trainer.collect_rollouts: rl_step's CollectFn in run_rl
+from sage_jax.training.rollouts import collect_phases, collect_rollouts  # run_rl's collect: collect_phases
 
 log = pylogging.getLogger("sage_jax")
 
@@ -246,7 +246,7 @@ class RLResult(NamedTuple):
 def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override=None) -> RLResult:
     """Train with RL from config (on `task`, default tasks.build(config)); resumes from workdir's checkpoints."""
     config_lib.validate(config)
-    os.makedirs(workdir, exist_ok=True)
+    paths.makedirs(workdir)  # a local folder or a gs:// bucket alike (run/paths.py)
     tr, rules = config.train, dict(config.mesh.rules)
     k = tr.get("off_policy_steps", 0)
     mesh, rollout_mesh = sharding.make_meshes(tuple(config.mesh.shape), config.mesh.get("rollout_devices", 0))
@@ -254,7 +254,8 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
     with jax.set_mesh(mesh), sharding.use_rules(rules), run_guard.locked(workdir):
         ctx, state = setup_rl(config, mesh, rules, task.tokenizer, params_override)
         ckpt = checkpoint.Checkpointer(os.path.join(workdir, "rl"), keep=tr.keep_ckpts)
-        ckpt.check_model(checkpoint.model_meta(ctx.cfg))
+        weights = sharding.fingerprint(ctx.base if ctx.lora_cfg else state["params"])  # as loaded (or warm-started)
+        ckpt.check_model(model := {**checkpoint.model_meta(ctx.cfg), "weights_fingerprint": weights})
         run_record.check_resume(config, ckpt, workdir)  # a resume with other settings stops here, or is recorded
         state, start = _restore(ckpt, state, workdir)
         logger = slog.MetricsLogger(workdir, None if start else config.to_dict(), use_tensorboard=tr.use_tensorboard,
@@ -262,7 +263,7 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
         summary = Summary(os.path.join(workdir, "summary.json"))
         with RewardPool(tr.reward or task.reward, num_workers=tr.reward_workers, timeout_s=tr.reward_timeout,
                         memory_mb=tr.reward_memory_mb) as pool, offpolicy.Pipeline(
-                functools.partial(collect_rollouts, task, ctx.cfg, config, offpolicy.TimedPool(pool)), k, tr.steps,
+                functools.partial(collect_phases, task, ctx.cfg, config, offpolicy.TimedPool(pool)), k, tr.steps,
                 mesh=rollout_mesh or mesh, rules=rules, place=offpolicy.placement(ctx, rollout_mesh, rules, k > 0),
                 workdir=workdir) as collect:
             evaluate = lambda params, tag: run_eval(task, ctx.cfg, params, config,
@@ -272,14 +273,11 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
             late, watch = slog.LateMetrics(), checkpoint.FiniteWatch(ckpt, start if start else None)
             progress = slog.Progress(total=tr.steps, initial=start, enabled=tr.progress and jax.process_index() == 0)
             report = lambda m: _report(m, logger, progress, watch)
-            meta = lambda done: {"rl_step": done, "seed": config.seed, "model": checkpoint.model_meta(ctx.cfg),
-                                 "config": run_record.as_record(config)}
-
-            def save(done: int) -> None:
-                collect.save(done, keep=ckpt.all_steps())  # the batch in flight, for a resume at `done`
-                ckpt.save(done, state, meta(done))
-            stop = run_guard.StepStop("RL step", ckpt, save,
-                                      lambda: report(late.flush()), (progress, logger))  # on SIGTERM / SIGINT
+            record = run_record.as_record(config)
+            meta = lambda done: {"rl_step": done, "seed": config.seed, "model": model, "config": record}
+            save = lambda done: ckpt.save(done, state, meta(done))  # the state first: a preemption notice is short
+            pending = lambda done: collect.save(done, keep=ckpt.all_steps())  # then the batches in flight
+            stop = run_guard.StepStop("RL step", ckpt, save, lambda: report(late.flush()), (progress, logger), pending)
             for step in stop.steps(start, tr.steps):
                 state, metrics, host, ro = rl_step(ctx, state, step, collect)
                 report(late.push(step, metrics))
@@ -292,6 +290,7 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
                 if done % tr.ckpt_every == 0 or done == tr.steps:
                     report(late.flush())
                     save(done)
+                    pending(done)
                     watch.saved(done)
                 if tr.eval_every and done % tr.eval_every == 0 and done != tr.steps:
                     collect.drain()  # the reward pool is the evaluation's now
@@ -317,7 +316,7 @@ def _export(workdir: str, ctx: RLContext, trained, tokenizer) -> None:
         return
     merged = jax.jit(lambda b, a: lora.merge(ctx.cfg, ctx.lora_cfg, b, a))(ctx.base, trained)
     checkpoint.export_hf(workdir, ctx.cfg, merged, tokenizer)
-    lora.save_peft(os.path.join(workdir, "peft_adapter"), ctx.cfg, ctx.lora_cfg, trained)
+    paths.write_dir(os.path.join(workdir, "peft_adapter"), lambda d: lora.save_peft(d, ctx.cfg, ctx.lora_cfg, trained))
 
 
 def _restore(ckpt: checkpoint.Checkpointer, state, workdir: str) -> tuple[Any, int]:
@@ -371,11 +370,11 @@ class Summary:
     def __init__(self, path: str):
         self.path = path
         self.data: dict[str, Any] = {}
-        if not os.path.exists(path):
+        text = paths.read_agreed(path)  # process 0's file, on every process: they all evaluate or skip alike
+        if text is None:
             return
         try:
-            with open(path) as f:
-                self.data = json.load(f)
+            self.data = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is not valid JSON ({e}); delete it to recompute the before/after evaluations"
                              ) from None

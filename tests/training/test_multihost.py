@@ -33,13 +33,18 @@ def _digest(stdout: str) -> dict:
     return json.loads(line[-1][len("DIGEST "):])
 
 
-def test_two_processes_match_one_process(tmp_path):
-    single = subprocess.run([sys.executable, WORKER, str(tmp_path / "single")], cwd=ROOT, env=_env(2),
+@pytest.mark.parametrize("off_policy_steps", [0, 1])
+def test_two_processes_match_one_process(tmp_path, off_policy_steps):
+    """Under jax.thread_guard (multihost_worker.py): with k = 1 the rollout thread decodes and scores while the main
+    thread trains, and every multi-process operation (the sampler's program, the gathers of rows and rewards, the
+    saved batch's) is still issued from the main thread, in one order on both processes."""
+    k = str(off_policy_steps)
+    single = subprocess.run([sys.executable, WORKER, str(tmp_path / "single"), k], cwd=ROOT, env=_env(2),
                             capture_output=True, text=True, timeout=600)
     assert single.returncode == 0, single.stderr[-3000:]
     coordinator = f"127.0.0.1:{_free_port()}"
-    procs = [subprocess.Popen([sys.executable, WORKER, str(tmp_path / "multi"), coordinator, "2", str(i)], cwd=ROOT,
-                              env=_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, WORKER, str(tmp_path / "multi"), k, coordinator, "2", str(i)],
+                              cwd=ROOT, env=_env(1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
     outs = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, outs):
@@ -51,6 +56,7 @@ def test_two_processes_match_one_process(tmp_path):
     # process 0 alone writes logs and checkpoint metadata
     assert (tmp_path / "multi" / "metrics.jsonl").exists()
     assert (tmp_path / "multi" / "rl" / "checkpoints" / "2").exists()
+    assert (tmp_path / "multi" / "offpolicy" / "batch_2.npz").exists() == (off_policy_steps == 1)
 
 
 # --------------------------------------------------------------------------- the real trainer on 2 processes x 4 CPUs

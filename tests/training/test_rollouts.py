@@ -55,3 +55,40 @@ def test_overlong_penalty_is_linear_over_the_buffer():
     np.testing.assert_allclose(rollouts.overlong_penalty(lengths, max_len=100, buffer=20, penalty=1.0),
                                [0.0, 0.0, -0.5, -1.0])
     np.testing.assert_array_equal(rollouts.overlong_penalty(lengths, 100, 0, 1.0), 0.0)
+
+
+def test_a_long_prompt_is_cut_to_its_last_tokens_keeping_its_bos():
+    from types import SimpleNamespace
+    from sage_jax.training.rollouts import cut_prompt
+    tok = SimpleNamespace(added_bos_id=1)
+    assert cut_prompt([1, 5, 6, 7, 8], 3, tok) == [1, 7, 8]
+    assert cut_prompt([5, 6, 7, 8], 3, tok) == [6, 7, 8]  # no BOS to keep
+    assert cut_prompt([1, 5, 6], 3, tok) == [1, 5, 6] and cut_prompt([9, 5, 6, 7], 2, None) == [6, 7]
+
+
+def test_cut_prompts_are_counted_and_warned_about_once(caplog, monkeypatch):
+    import logging
+    import numpy as np
+    from types import SimpleNamespace
+    from sage_jax.training import rollouts
+    monkeypatch.setattr(rollouts, "_WARNED_CUT", [])
+    seen = {}
+
+    def generate(cfg, params, prompts, **kw):
+        seen["prompts"] = prompts
+        n = len(prompts) * kw["num_samples"]
+        return rollouts.sampler.SampleOutput(
+            tokens=np.zeros((n, 2), np.int32), lengths=np.ones(n, np.int32), finished=np.ones(n, bool),
+            logprobs=np.zeros((n, 2), np.float32), prompt_tokens=np.zeros((n, 4), np.int32),
+            prompt_mask=np.ones((n, 4), bool), steps=np.int32(1))
+    monkeypatch.setattr(rollouts.sampler, "generate", generate)
+    task = SimpleNamespace(encode_prompt=lambda ex: [1] + list(range(10, 10 + ex)), prompt_text=str,
+                           gold=lambda ex: ex, tokenizer=SimpleNamespace(added_bos_id=1, decode=lambda ids: "x"))
+    cfg = SimpleNamespace(eos_token_ids=(2,), pad_token_id=0)
+    ro_cfg = SimpleNamespace(max_new_tokens=2, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, group_size=1)
+    with caplog.at_level(logging.WARNING, logger="sage_jax"):
+        for _ in range(2):
+            ro = rollouts.rollout(task, cfg, None, [2, 6, 9], ro_cfg, None, max_prompt_len=5)
+    assert ro["prompts_cut"] == 2 and seen["prompts"][0] == [1, 10, 11]
+    assert all(len(p) <= 5 and p[0] == 1 for p in seen["prompts"])
+    assert sum("longer than data.max_prompt_len=5" in r.message for r in caplog.records) == 1

@@ -15,6 +15,7 @@ from sage_jax.run import config as config_lib
 from sage_jax.rl import objectives
 from sage_jax.training import state as train_state, trainer
 from sage_jax.models import build
+from tests.tolerances import decoder_terms, f32_tols
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -103,8 +104,12 @@ def test_dynamic_sampling_filters_groups_on_accuracy_not_on_shaped_rewards(monke
         def train_batch(self, index, size, seed):
             return [index] * size
 
+    def fake_rollout_phases(*args):  # collect_rollouts runs rollouts.rollout in phases
+        yield trainer.rollouts.HOST
+        return fake_rollout(*args)
+
     calls = []
-    monkeypatch.setattr(trainer.rollouts, "rollout", fake_rollout)
+    monkeypatch.setattr(trainer.rollouts, "rollout_phases", fake_rollout_phases)
     cfg = build.model_config(config, vocab_size=23)
     ro, stats = trainer.collect_rollouts(Task(), cfg, config, Pool(), None, 0)
     assert len(calls) == 2 and stats["rl/resample_rounds"] == 1.0
@@ -255,7 +260,8 @@ def test_hf_export_loads_in_transformers_and_round_trips_a_prompt(tmp_path):
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits.numpy()
     expected = model.forward(result.cfg, result.state["params"], jnp.asarray([ids]))
-    np.testing.assert_allclose(logits, np.asarray(expected), atol=1e-4, rtol=1e-4)
+    # torch vs JAX: the same sums in other orders, logits of order 1 (the floor; tests/tolerances.py)
+    np.testing.assert_allclose(logits, np.asarray(expected), **f32_tols(decoder_terms(result.cfg, len(ids)), floor=1.0))
     generated = hf.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)[0, len(ids):].tolist()
     assert isinstance(tok.decode(generated, skip_special_tokens=True), str)
 

@@ -1,0 +1,96 @@
+"""The run lock is a lease (sage_jax.run.guard): its holder renews a beat, another host's lock is taken over only once
+its beat went stale, and a live one is never shared. The same on a bucket: tests/run/test_gcs_workdir.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from sage_jax.run import guard as run_guard
+
+
+def _lock(tmp_path, **fields):
+    holder = {"pid": 12345, "host": "another-host", "since": "2026-01-01T00:00:00", **fields}
+    (tmp_path / "run.lock.new").write_text(json.dumps(holder))
+    os.replace(tmp_path / "run.lock.new", tmp_path / "run.lock")  # whole, as the holder's renewals are
+
+
+def test_a_lease_of_another_host_whose_beat_went_stale_is_taken_over(tmp_path, caplog):
+    _lock(tmp_path, beat=time.time() - 4 * 30, beat_s=30)  # four beats missed: that run is gone
+    with caplog.at_level(logging.WARNING), run_guard.locked(str(tmp_path)):
+        holder = json.loads((tmp_path / "run.lock").read_text())
+        assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname() and "token" in holder
+    assert not (tmp_path / "run.lock").exists()
+    assert any("took over the stale lock of pid 12345 on host another-host" in r.getMessage() for r in caplog.records)
+
+
+@contextlib.contextmanager
+def _renewing(tmp_path, beat_s: float):
+    """Another host's live run: its lock's beat renewed every beat_s / 4 seconds until the block ends."""
+    stop = threading.Event()
+
+    def renew():
+        while not stop.wait(beat_s / 4):
+            _lock(tmp_path, token="theirs", beat=time.time(), beat_s=beat_s)
+    _lock(tmp_path, token="theirs", beat=time.time(), beat_s=beat_s)
+    thread = threading.Thread(target=renew, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_a_live_lease_of_another_host_is_never_taken(tmp_path, caplog):
+    """A recent beat is watched: renewed, the run refuses with the usual line, and the lock stays the other's."""
+    with _renewing(tmp_path, beat_s=0.4), caplog.at_level(logging.WARNING):
+        with pytest.raises(run_guard.WorkdirBusy, match="in use by another run \\(pid 12345 on host another-host"):
+            run_guard.acquire(str(tmp_path))
+    assert json.loads((tmp_path / "run.lock").read_text())["token"] == "theirs"
+    assert any("waiting up to" in r.getMessage() for r in caplog.records)
+
+
+def test_a_recent_beat_that_is_not_renewed_is_waited_out_and_taken_over(tmp_path, caplog):
+    """A run requeued right after a SIGKILL on another node: the dead run's lease is young but never renewed."""
+    _lock(tmp_path, token="theirs", beat=time.time(), beat_s=0.2)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING), run_guard.locked(str(tmp_path)):
+        assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+    assert 0.3 < time.monotonic() - t0 < 30
+    assert any("took over the stale lock of pid 12345" in r.getMessage() for r in caplog.records)
+
+
+def test_a_lock_of_another_host_without_a_lease_is_never_taken(tmp_path):
+    """Written by an older version (no beat): that host's pid cannot be checked, so it stays."""
+    _lock(tmp_path)
+    with pytest.raises(run_guard.WorkdirBusy, match="in use by another run \\(pid 12345 on host another-host"):
+        run_guard.acquire(str(tmp_path))
+    assert json.loads((tmp_path / "run.lock").read_text())["pid"] == 12345
+
+
+def test_the_holder_renews_its_beat_and_a_lost_lease_is_not_removed(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(run_guard, "BEAT_S", 0.1)
+    lock = tmp_path / "run.lock"
+    with run_guard.locked(str(tmp_path)):
+        first = json.loads(lock.read_text())
+        assert first["beat_s"] == 0.1
+        deadline = time.time() + 30
+        while json.loads(lock.read_text())["beat"] == first["beat"]:
+            assert time.time() < deadline, "the beat was never renewed"
+            time.sleep(0.05)
+        # another run took the lock (e.g. this one was frozen for longer than the stale limit): this one stops
+        # renewing and leaves the other's lock in place when it ends
+        with caplog.at_level(logging.ERROR):
+            lock.write_text(json.dumps({"pid": 999, "host": "another-host", "token": "theirs", "beat": time.time()}))
+            time.sleep(0.5)
+        assert json.loads(lock.read_text())["token"] == "theirs"
+    assert json.loads(lock.read_text())["token"] == "theirs"
+    assert any("no longer this run's" in r.getMessage() for r in caplog.records)
