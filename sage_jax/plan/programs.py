@@ -212,7 +212,8 @@ def sampler_plan(cfg, config, shapes: Shapes, mesh) -> sampler.SamplerPlan:
     static = dict(num_samples=ro.group_size, new_bucket=shapes.new_bucket, greedy=greedy,
                   top_k=0 if greedy or ro.top_k >= cfg.vocab_size else ro.top_k, use_top_p=not greedy and ro.top_p < 1,
                   use_min_p=not greedy and ro.min_p > 0, mesh=mesh, unstack_layers=False,
-                  slots=shapes.sampler_slots, stages=None)  # None: the pool's shrink stages, as generate runs it
+                  slots=shapes.sampler_slots, stages=None,  # None: the pool's shrink stages, as generate runs it
+                  stop_early=False)
     fields = {f.name for f in dataclasses.fields(sampler.SamplerPlan)}
     if fields - static.keys():
         raise RuntimeError(f"sampler.SamplerPlan has fields {sorted(fields - static.keys())} that sage_jax.plan does not "
@@ -231,12 +232,14 @@ def lower_sampler(cfg, config, params, shapes: Shapes, mesh, num_eos: int = 4):
     """sampler.generate_program as sampler.generate calls it for one rollout batch (params: rollout_params)."""
     arg = functools.partial(rows_arg, mesh=mesh, dp=shapes.dp)
     B, P, N, C = shapes.sampler_prompts, shapes.prompt_len, shapes.sampler_rows, shapes.new_bucket
+    # stop_groups, temperature, top_p, min_p, pad_id
     scalars = [arg((), d) for d in (jnp.int32, jnp.float32, jnp.float32, jnp.float32, jnp.int32)]
-    per_row = [arg((N, C), jnp.int32), arg((N, C), jnp.float32), arg((N,), jnp.int32)]  # tokens, logp, limits
-    key = arg((), jax.eval_shape(lambda: jax.random.key(0)).dtype)
+    rows = sampler.rows_lib.Rows(*(arg((N,), jnp.int32) for _ in range(4)),
+                                 arg((N,), jax.eval_shape(lambda: jax.random.key(0)).dtype))  # one key per row
+    per_row = [arg((N, C), jnp.int32), arg((N, C), jnp.float32), arg((N,), jnp.int32), rows]  # tokens, logp, limits
     return sampler.generate_program.lower(cfg, sampler_plan(cfg, config, shapes, mesh), params,
                                            arg((B, P), jnp.int32), arg((B, P), jnp.bool_), *per_row, *scalars,
-                                           arg((num_eos,), jnp.int32), key)
+                                           arg((num_eos,), jnp.int32))
 
 
 def compile_in_parallel(lowered: dict[Any, Any], measure) -> dict[Any, Any]:

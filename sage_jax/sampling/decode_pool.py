@@ -12,6 +12,14 @@ A row's cache layout, positions and keys do not depend on its slot or on when it
 positions [0, P) (left-padded), its token j - 1 is written at P + j - 1 (each slot has its own write position:
 model.forward_with_cache with a [S] cache index), and its token j is drawn with fold_in(fold_in(key, j), row). So the
 tokens equal one static batch's (S = all rows) for the same key, bit for bit.
+
+Rows need not start at their prompt's beginning (rows.py): row n continues prefilled sequence source_N[n] from
+generation position start_N[n], with its own key and id, so a row that left the pool (interrupted by
+stop_after_groups; later, a tool call) comes back with its tokens so far prefilled as part of its sequence, and goes
+on drawing the tokens it would have drawn uninterrupted. Its token j is written at P + j - start (its carried
+tokens are in the first P positions with its prompt) and fed at its uninterrupted RoPE position. With
+plan.stop_early the loop also ends once `stop_groups` groups have all their rows done (rows.complete_groups); the
+rows still running are returned with what they have.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from sage_jax.models import decoder as model_lib
 from sage_jax.models import sharding as sharding_lib
 from sage_jax.models.decoder import ModelConfig, Params
 from sage_jax.sampling.filters import sample_tokens
+from sage_jax.sampling.rows import Rows, complete_groups, row_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +53,7 @@ class SamplerPlan:
     unstack_layers: bool
     slots: int  # decode slots S (a multiple of data x fsdp): rows beyond S wait for a slot to free up
     stages: tuple[int, ...] | None = None  # the pool's widths (None: stage_widths(slots, data x fsdp, C))
+    stop_early: bool = False  # the loop also ends once `stop_groups` groups are complete (generate's stop_after_groups)
 
 
 def constrain_cache(cache):
@@ -71,11 +81,6 @@ class _Pool(NamedTuple):
     cache: list
     next_row: jax.Array  # [Q]: each queue group's rows below it have had a slot (or stopped at their first token)
     steps: jax.Array  # decode steps run, the prefill's token counted as the first
-
-
-def row_keys(key: jax.Array, steps_B: jax.Array, rows_B: jax.Array) -> jax.Array:
-    """Row b's key at its decode position steps_B[b]: fold_in(fold_in(key, step), row)."""
-    return jax.vmap(lambda j, r: jax.random.fold_in(jax.random.fold_in(key, j), r))(steps_B, rows_B)
 
 
 # Completions shorter than this take only halving widths: on CPU a width's decode loop body compiles in about the
@@ -137,7 +142,8 @@ def _copy_prompts(cache: tuple, prompt_cache: tuple, slots_QxK: jax.Array, promp
 
 def queue_groups(rows: int, prompts: int, slots: int, dp: int) -> int:
     """How many queues the pool keeps: one per data-parallel shard where rows, prompts and slots split evenly over
-    the shards (a shard's slots then take only its own rows, whose prompts it holds), else one."""
+    the shards (a shard's slots then take only its own rows, whose prompts it holds: rows.layout places them so),
+    else one."""
     return dp if dp > 1 and not (rows % dp or prompts % dp or slots % dp) else 1
 
 
@@ -148,10 +154,12 @@ def _queued(pool: _Pool, done_N: jax.Array) -> jax.Array:
     return (rows_QxN >= pool.next_row[:, None]) & ~done_N.reshape(Q, -1)
 
 
-def _refill(pool: _Pool, done_N: jax.Array, out: _Out, prompt_cache: list, G: int) -> _Pool:
+def _refill(pool: _Pool, done_N: jax.Array, out: _Out, prompt_cache: list, rows: Rows) -> _Pool:
     """Every idle slot takes the next queued row of its queue group that has not already stopped (at its first
-    token), in row order; Q = pool.next_row's length groups, each S / Q slots taking from N / Q rows."""
+    token), in row order; Q = pool.next_row's length groups, each S / Q slots taking from N / Q rows (which continue
+    sequences of the group's block of the prompt caches)."""
     N, S, Q = done_N.shape[0], pool.row_S.shape[0], pool.next_row.shape[0]
+    per_group = prompt_cache[0].shape[0] // Q
     n, s = N // Q, S // Q
     busy_QxS = ((pool.row_S < N) & ~done_N[jnp.minimum(pool.row_S, N - 1)]).reshape(Q, s)
     rank_QxN = jnp.cumsum(_queued(pool, done_N), axis=1, dtype=jnp.int32)  # 1-based rank among queued rows
@@ -162,11 +170,13 @@ def _refill(pool: _Pool, done_N: jax.Array, out: _Out, prompt_cache: list, G: in
     row_QxS = jnp.where(got_QxS, pick_QxS, jnp.where(busy_QxS, pool.row_S.reshape(Q, s), N))
     next_row = jnp.maximum(pool.next_row, jnp.max(jnp.where(got_QxS, pick_QxS + 1, 0), axis=1))
     order_QxS = jax.vmap(lambda g: jnp.nonzero(g, size=s, fill_value=0)[0])(got_QxS).astype(jnp.int32)  # refilled first
-    prompt_QxS = jnp.take_along_axis(row_QxS, order_QxS, axis=1) // G - (n // G) * jnp.arange(Q)[:, None]
+    source_QxS = rows.source_N[jnp.minimum(jnp.take_along_axis(row_QxS, order_QxS, axis=1), N - 1)]
+    prompt_QxS = source_QxS - per_group * jnp.arange(Q, dtype=jnp.int32)[:, None]
     cache = _copy_prompts(pool.cache, prompt_cache, order_QxS, prompt_QxS, jnp.sum(got_QxS, axis=1, dtype=jnp.int32))
     row_S, got_S = row_QxS.reshape(S), got_QxS.reshape(S)
-    first_S = out.tokens_NxC[jnp.minimum(row_S, N - 1), 0]
-    return pool._replace(row_S=row_S, pos_S=jnp.where(got_S, 1, pool.pos_S),
+    start_S = rows.start_N[jnp.minimum(row_S, N - 1)]
+    first_S = jnp.take_along_axis(out.tokens_NxC[jnp.minimum(row_S, N - 1)], start_S[:, None], axis=1)[:, 0]
+    return pool._replace(row_S=row_S, pos_S=jnp.where(got_S, start_S + 1, pool.pos_S),
                          last_S=jnp.where(got_S, first_S, pool.last_S), cache=constrain_cache(cache),
                          next_row=next_row)
 
@@ -201,7 +211,7 @@ class _Ctx(NamedTuple):
     cfg: ModelConfig
     params: Params
     sample: object
-    key: jax.Array
+    rows: Rows
     mask_BxP: jax.Array
     prompt_len_B: jax.Array
     limit_N: jax.Array
@@ -210,6 +220,7 @@ class _Ctx(NamedTuple):
     eos_E: jax.Array
     new_bucket: int
     groups: int  # data-parallel shards: the pool shrinks inside each
+    stop_groups: jax.Array | None  # the loop ends once this many groups are complete (None: only when all are)
 
 
 def _done(ctx: _Ctx, out: _Out) -> jax.Array:
@@ -237,12 +248,13 @@ def _step(ctx: _Ctx, pool: _Pool, out: _Out) -> tuple[_Pool, _Out]:
     N, P, C = ctx.limit_N.shape[0], ctx.mask_BxP.shape[1], ctx.new_bucket
     W = pool.row_S.shape[0]
     active_W = _active(ctx, pool, out)
-    prompt_W = jnp.minimum(pool.row_S, N - 1) // (N // ctx.mask_BxP.shape[0])
+    row_W = jnp.minimum(pool.row_S, N - 1)
+    prompt_W, new_W = ctx.rows.source_N[row_W], pool.pos_S - ctx.rows.start_N[row_W]  # tokens since its prefill
     # An idle slot writes at position 0 and reads nothing else, so the attention bound (the furthest filled
     # position over slots) only follows the live rows.
-    index_W = jnp.where(active_W, P + pool.pos_S - 1, 0)
+    index_W = jnp.where(active_W, P + new_W - 1, 0)
     kv_mask_WxT = jnp.concatenate([ctx.mask_BxP[prompt_W], jnp.ones((W, C), jnp.bool_)], axis=1) & active_W[:, None]
-    positions_Wx1 = (ctx.prompt_len_B[prompt_W] + pool.pos_S - 1)[:, None]
+    positions_Wx1 = (ctx.prompt_len_B[prompt_W] + new_W - 1)[:, None]
     # The weights pass a barrier with the step count, so XLA cannot hoist their all-gathers (and XLA:CPU its
     # float32 copies of 16-bit weights) out of the loop: that held the whole model gathered beside the cache.
     params, _ = jax.lax.optimization_barrier((ctx.params, pool.steps))
@@ -250,7 +262,7 @@ def _step(ctx: _Ctx, pool: _Pool, out: _Out) -> tuple[_Pool, _Out]:
                                                   pool.cache, index_W, kv_mask_WxT, return_hidden=True,
                                                   cache_groups=ctx.groups)
     logits_WxV = model_lib.logits_from_hidden(ctx.cfg, params, h_Wx1xD)[:, 0]
-    tok_W, logp_W = ctx.sample(logits_WxV, row_keys(ctx.key, pool.pos_S, jnp.minimum(pool.row_S, N - 1)))
+    tok_W, logp_W = ctx.sample(logits_WxV, row_keys(ctx.rows.key_N[row_W], pool.pos_S, ctx.rows.id_N[row_W]))
     out = _record(ctx, out, pool.row_S, pool.pos_S, active_W, tok_W, logp_W)
     return pool._replace(pos_S=pool.pos_S + active_W, last_S=tok_W, cache=constrain_cache(cache),
                          steps=pool.steps + 1), out
@@ -259,8 +271,7 @@ def _step(ctx: _Ctx, pool: _Pool, out: _Out) -> tuple[_Pool, _Out]:
 def _decode(ctx: _Ctx, pool: _Pool, out: _Out, prompt_cache: list, widths: tuple[int, ...]) -> tuple[_Pool, _Out]:
     """The decode loop, one while_loop per width: at the full width idle slots refill from the queue; once the
     queue is empty and every shard's live slots fit the next width, they move there (_shrink) and the loop goes on
-    computing only those."""
-    G = ctx.limit_N.shape[0] // ctx.mask_BxP.shape[0]
+    computing only those. With ctx.stop_groups every loop also ends once that many groups are complete."""
     for level, width in enumerate(widths):
         if level:
             pool = _shrink(pool, _active(ctx, pool, out), width, ctx.groups)
@@ -274,6 +285,8 @@ def _decode(ctx: _Ctx, pool: _Pool, out: _Out, prompt_cache: list, widths: tuple
                 queued = jnp.any(_queued(pool, _done(ctx, out)))
                 fits = jnp.max(jnp.sum(live_W.reshape(ctx.groups, -1), axis=1)) <= smaller // ctx.groups
                 go &= queued | ~fits
+            if ctx.stop_groups is not None:
+                go &= complete_groups(ctx.rows.group_N, _done(ctx, out), ctx.valid_N) < ctx.stop_groups
             return go
 
         def body(carry, refill=level == 0):
@@ -283,21 +296,40 @@ def _decode(ctx: _Ctx, pool: _Pool, out: _Out, prompt_cache: list, widths: tuple
             # most steps free no slot: they skip the refill's bookkeeping (ranks, searches, the copy loop)
             done_N = _done(ctx, out)
             idle = jnp.any(~_active(ctx, pool, out)) & jnp.any(_queued(pool, done_N))
-            return jax.lax.cond(idle, lambda p: _refill(p, done_N, out, prompt_cache, G), lambda p: p, pool), out
+            return jax.lax.cond(idle, lambda p: _refill(p, done_N, out, prompt_cache, ctx.rows), lambda p: p, pool), out
         pool, out = jax.lax.while_loop(cond, body, (pool, out))
     return pool, out
+
+
+def _gather_rows(x_B: jax.Array, source_N: jax.Array, Q: int) -> jax.Array:
+    """x_B[source_N], within each of Q groups (rows of group q take from block q of x_B): with Q = the data-parallel
+    shards the gather stays on each device."""
+    if Q == 1:
+        return x_B[source_N]
+    B, N = x_B.shape[0], source_N.shape[0]
+    local_Qxn = source_N.reshape(Q, N // Q) - (B // Q) * jnp.arange(Q, dtype=jnp.int32)[:, None]
+    return jax.vmap(lambda x, i: x[i])(x_B.reshape(Q, B // Q, *x_B.shape[1:]), local_Qxn).reshape(N, *x_B.shape[1:])
+
+
+def _row_prompts(prompt_BxP: jax.Array, mask_BxP: jax.Array, rows: Rows, Q: int, pad_id: jax.Array):
+    """Each row's prompt, left-padded: its sequence without the start_N tokens it carried in."""
+    at_NxP = jnp.arange(prompt_BxP.shape[1], dtype=jnp.int32) - rows.start_N[:, None]
+    take = lambda x_BxP: jnp.take_along_axis(_gather_rows(x_BxP, rows.source_N, Q), jnp.maximum(at_NxP, 0), axis=1)
+    return jnp.where(at_NxP >= 0, take(prompt_BxP), pad_id), take(mask_BxP) & (at_NxP >= 0)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("tokens_NxC", "logp_NxC"))
 def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt_BxP: jax.Array,
                      prompt_mask_BxP: jax.Array, tokens_NxC: jax.Array, logp_NxC: jax.Array, limit_N: jax.Array,
-                     num_valid: jax.Array, temperature: jax.Array, top_p: jax.Array, min_p: jax.Array,
-                     pad_id: jax.Array, eos_E: jax.Array, key: jax.Array):
+                     rows: Rows, stop_groups: jax.Array, temperature: jax.Array, top_p: jax.Array, min_p: jax.Array,
+                     pad_id: jax.Array, eos_E: jax.Array):
     """The whole sampling program sampler.generate runs (prefill, then the slot pool's decode loop); public so that
-    the memory plan lowers exactly this program for abstract inputs."""
+    the memory plan lowers exactly this program for abstract inputs. B sequences to prefill, N rows (rows.py: row n
+    continues sequence rows.source_N[n] from its rows.start_N[n] tokens in tokens_NxC / logp_NxC; limit_N[n] = 0: a
+    filler row). -> per row: tokens, log-probs, lengths, finished (EOS), done (EOS or limit), prompt tokens and mask;
+    and the decode steps run."""
     B, P = prompt_BxP.shape
-    G, C, S = plan.num_samples, plan.new_bucket, plan.slots
-    N = B * G
+    N, C, S = limit_N.shape[0], plan.new_bucket, plan.slots
     if plan.unstack_layers:
         params = model_lib.unstack_layers(cfg, params)
     sample = functools.partial(sample_tokens, greedy=plan.greedy, temperature=temperature, top_k=plan.top_k,
@@ -307,27 +339,27 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
     bits = kv_cache.BITS if jnp.dtype(cfg.compute_dtype).itemsize == 2 else None  # the caches as bits: never
     h_BxPxD, prompt_cache = model_lib.prefill(cfg, params, prompt_BxP, mask_BxP, bits)  # converted whole (BITS)
     prompt_cache = constrain_cache(prompt_cache)
-    logits_NxV = jnp.repeat(model_lib.logits_from_hidden(cfg, params, h_BxPxD[:, -1:])[:, 0], G, axis=0)
-    rows_N = jnp.arange(N, dtype=jnp.int32)
     dp = plan.mesh.shape["data"] * plan.mesh.shape["fsdp"] if plan.mesh is not None else 1
-    ctx = _Ctx(cfg, params, sample, key, mask_BxP, jnp.sum(mask_BxP, axis=-1, dtype=jnp.int32), limit_N,
-               rows_N < num_valid, pad_id, eos_E, C, dp)
+    Q = queue_groups(N, B, S, dp)
+    logits_NxV = _gather_rows(model_lib.logits_from_hidden(cfg, params, h_BxPxD[:, -1:])[:, 0], rows.source_N, Q)
+    ctx = _Ctx(cfg, params, sample, rows, mask_BxP, jnp.sum(mask_BxP, axis=-1, dtype=jnp.int32), limit_N,
+               limit_N > 0, pad_id, eos_E, C, dp, stop_groups if plan.stop_early else None)
 
-    # Every row's first token comes from its prompt's prefill logits (position 0).
-    zeros_N = jnp.zeros((N,), jnp.int32)
-    tok_N, logp_N = sample(logits_NxV, row_keys(key, zeros_N, rows_N))
-    out = _record(ctx, _Out(tokens_NxC, logp_NxC, zeros_N, jnp.zeros((N,), jnp.bool_)), rows_N, zeros_N,
+    # Every row's next token (its first, or the one after those it carried in) comes from its sequence's prefill
+    # logits (the last position).
+    rows_N = jnp.arange(N, dtype=jnp.int32)
+    tok_N, logp_N = sample(logits_NxV, row_keys(rows.key_N, rows.start_N, rows.id_N))
+    out = _record(ctx, _Out(tokens_NxC, logp_NxC, rows.start_N, jnp.zeros((N,), jnp.bool_)), rows_N, rows.start_N,
                   ctx.valid_N, tok_N, logp_N)
     cache = constrain_cache(kv_cache.init_cache(cfg, S, P + C, bits, stacked=True))
     empty_S = jnp.full((S,), N, jnp.int32)
-    Q = queue_groups(N, B, S, dp)
     pool = _Pool(empty_S, jnp.ones((S,), jnp.int32), jnp.zeros((S,), jnp.int32), cache, jnp.zeros((Q,), jnp.int32),
                  jnp.int32(1))
-    pool = _refill(pool, _done(ctx, out), out, prompt_cache, G)
+    pool = _refill(pool, _done(ctx, out), out, prompt_cache, rows)
     widths = plan.stages if plan.stages is not None else stage_widths(S, dp, C)
     pool, out = _decode(ctx, pool, out, prompt_cache, widths)
-    return (out.tokens_NxC, out.logp_NxC, out.lengths_N, out.finished_N, jnp.repeat(prompt_BxP, G, axis=0),
-            jnp.repeat(mask_BxP, G, axis=0), pool.steps)
+    return (out.tokens_NxC, out.logp_NxC, out.lengths_N, out.finished_N, _done(ctx, out) & ctx.valid_N,
+            *_row_prompts(prompt_BxP, mask_BxP, rows, Q, pad_id), pool.steps)
 
 
 def auto_slots(cfg: ModelConfig, rows: int, prompts: int, cache_len: int, prompt_len: int, mesh: Mesh | None,

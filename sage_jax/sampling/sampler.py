@@ -16,6 +16,12 @@ truncation (log softmax(logits) when greedy, T = 0), the quantity the trainer re
 temperature T; 0 on padding. Row b's key at its step j is fold_in(fold_in(key, j), b), whatever slot it runs in and
 whenever, so no two rows or steps share one and the tokens do not depend on `slots`. Each row draws one uniform
 (inverse CDF) and top-p is found by bisection, so no step sorts or noises the vocabulary.
+
+Rows leave the pool and come back (rows.py): stop_after_groups=k returns once k groups are complete, the rows still
+running with their tokens so far (done=False); resume=[rows.Resumed, ...] brings such rows back into a later call,
+beside its fresh prompts: prompt + tokens so far are prefilled, and each goes on with its first call's key and row
+id at the positions it would have had, so with unchanged weights it draws the tokens it would have drawn (up to
+float rounding in its prefilled cache; rows.py). A multi-turn row (a tool call) is to come back the same way.
 """
 from __future__ import annotations
 
@@ -29,7 +35,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from sage_jax.models import decoder as model_lib
 from sage_jax.models import sharding as sharding_lib
 # re-exported: sampler.generate_program / SamplerPlan / constrain_cache are what sage_jax.plan lowers
-from sage_jax.sampling.decode_pool import SamplerPlan, auto_slots, constrain_cache, generate_program, row_keys
+from sage_jax.sampling.decode_pool import SamplerPlan, auto_slots, constrain_cache, generate_program
+from sage_jax.sampling import rows as rows_lib
+from sage_jax.sampling.rows import Resumed, interrupted, row_keys  # noqa: F401  (public: generate's resume)
 from sage_jax.models.decoder import ModelConfig, Params
 from sage_jax.sampling.filters import CDF_BLOCK, _first_max, _inverse_cdf, _nucleus_bits, _ordered_bits, filter_logits, sample_tokens
 
@@ -42,6 +50,8 @@ class SampleOutput(NamedTuple):
     prompt_tokens: jax.Array  # int32 [B, P], left-padded prompts (P = the prompt bucket), repeated per sample
     prompt_mask: jax.Array  # bool [B, P], True on real prompt tokens
     steps: jax.Array  # int32 [], decode steps run (fewer than N when every row stopped early)
+    # bool [B], stopped (EOS or its budget); False: interrupted by stop_after_groups, returned with its tokens so far
+    done: jax.Array | None = None
 
 
 _PROGRAMS: set[tuple] = set()
@@ -88,33 +98,19 @@ def _slot_count(slots, cfg: ModelConfig, rows: int, prompts: int, P: int, C: int
     return -(-(rows if slots in (None, "all") else int(slots)) // dp) * dp
 
 
-def _left_pad(prompts: Sequence[Sequence[int]], rows: int, width: int, pad_id: int):
-    tokens = np.full((rows, width), pad_id, np.int32)
-    mask = np.zeros((rows, width), np.bool_)
-    for b in range(rows):
-        p = prompts[b] if b < len(prompts) else prompts[0]  # filler rows repeat a real prompt; they start done
+def _left_pad(sequences: Sequence[Sequence[int]], width: int, pad_id: int):
+    tokens = np.full((len(sequences), width), pad_id, np.int32)
+    mask = np.zeros((len(sequences), width), np.bool_)
+    for b, p in enumerate(sequences):
         tokens[b, width - len(p):] = p
         mask[b, width - len(p):] = True
     return tokens, mask
 
 
-def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
-             eos_ids: Sequence[int] | None = None, seed: int | jax.Array = 0, num_samples: int = 1,
-             pad_id: int | None = None, mesh: Mesh | None = None, unstack_layers: bool | None = None,
-             row_max_new_tokens: Sequence[int] | None = None, slots: int | str | None = None) -> SampleOutput:
-    """Sample `num_samples` completions of up to `max_new_tokens` for each prompt (lists of token ids).
-
-    temperature 0 is greedy. eos_ids defaults to cfg.eos_token_ids, pad_id to cfg.pad_token_id; seed may be an int
-    or a jax PRNG key. With a mesh (given, or the one params are sharded on) rows go over ("data", "fsdp") and KV
-    heads over "tensor"; the batch is padded internally to a multiple of the data-parallel size.
-    unstack_layers (default: on the CPU backend only) slices the stacked layer weights once before the decode loop;
-    see model.unstack_layers. row_max_new_tokens (one per output row, prompt-major, each <= max_new_tokens) stops
-    each row at its own budget, marked truncated. slots (default: one per row) is how many rows decode at once,
-    rounded up to a multiple of the data-parallel size; the others wait for a slot. The outputs do not depend on it.
-    slots="auto": as many as fit the device's free memory (decode_pool.auto_slots); "all": one per row.
-    """
-    prompts = [[int(t) for t in p] for p in prompts]
+def _check(cfg: ModelConfig, prompts: list, max_new_tokens: int, num_samples: int, temperature: float, top_p: float,
+           top_k: int, min_p: float, row_max_new_tokens, resume: Sequence[Resumed], stop_after_groups,
+           eos_ids: tuple) -> list[int]:
+    """generate's arguments checked (ValueError naming the fix) -> the fresh rows' budgets."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate needs at least one prompt and every prompt needs at least one token")
     if max_new_tokens < 1 or num_samples < 1:
@@ -129,50 +125,82 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     vocab_ids = [t for p in prompts for t in p]
     if min(vocab_ids) < 0 or max(vocab_ids) >= cfg.vocab_size:
         raise ValueError(f"prompt token ids must lie in [0, {cfg.vocab_size}); got {min(vocab_ids)}..{max(vocab_ids)}")
+    rows = len(prompts) * num_samples
+    limits = [max_new_tokens] * rows if row_max_new_tokens is None else [int(n) for n in row_max_new_tokens]
+    if len(limits) != rows or not all(1 <= n <= max_new_tokens for n in limits):
+        raise ValueError(f"row_max_new_tokens needs {rows} entries (prompts x num_samples), each in "
+                         f"[1, max_new_tokens={max_new_tokens}]")
+    rows_lib.check_resumed(resume, cfg.vocab_size, max_new_tokens, cfg.max_position_embeddings, eos_ids)
+    if stop_after_groups is not None and not 0 <= stop_after_groups <= len(prompts) + len(resume):
+        raise ValueError(f"stop_after_groups={stop_after_groups} must lie in [0, the call's groups]: the prompts, "
+                         f"plus the resumed rows' groups")
+    return limits
+
+
+def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+             eos_ids: Sequence[int] | None = None, seed: int | jax.Array = 0, num_samples: int = 1,
+             pad_id: int | None = None, mesh: Mesh | None = None, unstack_layers: bool | None = None,
+             row_max_new_tokens: Sequence[int] | None = None, slots: int | str | None = None,
+             stop_after_groups: int | None = None, resume: Sequence[Resumed] = ()) -> SampleOutput:
+    """Sample `num_samples` completions of up to `max_new_tokens` for each prompt (lists of token ids).
+
+    temperature 0 is greedy. eos_ids defaults to cfg.eos_token_ids, pad_id to cfg.pad_token_id; seed may be an int
+    or a jax PRNG key. With a mesh (given, or the one params are sharded on) rows go over ("data", "fsdp") and KV
+    heads over "tensor"; the batch is padded internally to a multiple of the data-parallel size.
+    unstack_layers (default: on the CPU backend only) slices the stacked layer weights once before the decode loop;
+    see model.unstack_layers. row_max_new_tokens (one per output row, prompt-major, each <= max_new_tokens) stops
+    each row at its own budget, marked truncated. slots (default: one per row) is how many rows decode at once,
+    rounded up to a multiple of the data-parallel size; the others wait for a slot. The outputs do not depend on it.
+    slots="auto": as many as fit the device's free memory (decode_pool.auto_slots); "all": one per row.
+
+    resume: rows that come back with the tokens they have (rows.Resumed: prompt, tokens and behaviour log-probs so
+    far, the key and row id of the call that started them, their budget and group). They decode in the same pool as
+    the fresh prompts' rows and come out after them, in the order given, each as one whole completion: the carried
+    tokens and log-probs as given, then the new ones, drawn as the row would have drawn them uninterrupted (see
+    rows.py). stop_after_groups=k (default None: run until every row stops) ends the decode loop once k groups are
+    complete -- every row of theirs in the call stopped (EOS or its budget); a fresh prompt's G rows are a group, and
+    resumed rows group by Resumed.group -- and returns the rows still running as they are, done=False
+    (rows.interrupted makes them Resumed rows for a later call).
+    """
+    prompts = [[int(t) for t in p] for p in prompts]
     pad_id = cfg.pad_token_id if pad_id is None else int(pad_id)
     eos_ids = tuple(cfg.eos_token_ids if eos_ids is None else (int(e) for e in eos_ids))
-    B, G = len(prompts), num_samples
-    limits = [max_new_tokens] * (B * G) if row_max_new_tokens is None else [int(n) for n in row_max_new_tokens]
-    if len(limits) != B * G or not all(1 <= n <= max_new_tokens for n in limits):
-        raise ValueError(f"row_max_new_tokens needs {B * G} entries (prompts x num_samples), each in "
-                         f"[1, max_new_tokens={max_new_tokens}]")
-
+    limits = _check(cfg, prompts, max_new_tokens, num_samples, temperature, top_p, top_k, min_p, row_max_new_tokens,
+                    resume, stop_after_groups, eos_ids)
     mesh = mesh if mesh is not None else _mesh_of(params)
     dp = _data_parallel(mesh)
-    rows = B
-    while (rows * G) % dp:  # smallest padding that lets the N = rows * G decode rows split over data x fsdp
-        rows += 1
-    P, C = prompt_bucket(longest), new_tokens_bucket(max_new_tokens)
-    N = rows * G
+    C = new_tokens_bucket(max_new_tokens)
+    key = rows_lib.as_key(seed)
+    rows = rows_lib.layout(prompts, num_samples, limits, resume, max_new_tokens, C, dp, pad_id, key)
+    B, N = len(rows.sequences), len(rows.limit_N)
+    P = prompt_bucket(max(len(p) for p in rows.sequences))
     if mesh is not None and _mesh_of(params) != mesh:
         params = model_lib.shard_params(params, mesh, cfg=cfg)
     params = model_lib.compute_params(cfg, params)  # read at every decode step: once in the compute dtype
-    S = _slot_count(slots, cfg, N, rows, P, C, mesh)
-    tokens_BxP, mask_BxP = _left_pad(prompts, rows, P, pad_id)
+    S = _slot_count(slots, cfg, N, B, P, C, mesh)
     greedy = temperature == 0
-    plan = SamplerPlan(num_samples=G, new_bucket=C, greedy=greedy, top_k=0 if greedy or top_k >= cfg.vocab_size else top_k,
-                 use_top_p=not greedy and top_p < 1, use_min_p=not greedy and min_p > 0, mesh=mesh,
-                 unstack_layers=jax.default_backend() == "cpu" if unstack_layers is None else bool(unstack_layers),
-                 slots=S)
-    key = seed if isinstance(seed, jax.Array) else jax.random.key(int(seed))
-
-    per_row = (np.full((N, C), pad_id, np.int32), np.zeros((N, C), np.float32),
-               np.array(limits + [1] * (N - B * G), np.int32))  # filler rows start done whatever their limit
+    plan = SamplerPlan(num_samples=num_samples, new_bucket=C, greedy=greedy,
+                       top_k=0 if greedy or top_k >= cfg.vocab_size else top_k, use_top_p=not greedy and top_p < 1,
+                       use_min_p=not greedy and min_p > 0, mesh=mesh, slots=S, stop_early=stop_after_groups is not None,
+                       unstack_layers=jax.default_backend() == "cpu" if unstack_layers is None else bool(unstack_layers))
+    per_row = (rows.tokens_NxC, rows.logp_NxC, rows.limit_N,
+               rows.rows._replace(key_N=jax.random.wrap_key_data(rows.rows.key_N, impl=jax.random.key_impl(key))))
+    sequences = _left_pad(rows.sequences, P, pad_id)
     if mesh is not None:
         put = lambda x: jax.device_put(x, sharding_lib.data_sharding(mesh, x.ndim) if x.shape[0] % dp == 0
                                        else NamedSharding(mesh, PartitionSpec()))
-        tokens_BxP, mask_BxP = put(tokens_BxP), put(mask_BxP)
-        per_row = tuple(put(x) for x in per_row)
-        key = jax.device_put(key, NamedSharding(mesh, PartitionSpec()))
-    scalars = (np.int32(B * G), np.float32(temperature or 1.0), np.float32(top_p), np.float32(min_p), np.int32(pad_id))
+        sequences, per_row = jax.tree.map(put, (sequences, per_row))
+    scalars = (np.int32(stop_after_groups or 0), np.float32(temperature or 1.0), np.float32(top_p),
+               np.float32(min_p), np.int32(pad_id))
     eos_E = np.full(max(4, 1 << max(len(eos_ids) - 1, 0).bit_length()), -1, np.int32)  # -1 never matches
     eos_E[:len(eos_ids)] = eos_ids
-    _PROGRAMS.add((cfg, plan, rows, P, len(eos_E), jax.tree.structure(params),
+    _PROGRAMS.add((cfg, plan, B, N, P, len(eos_E), jax.tree.structure(params),
                    tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree.leaves(params))))
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        tokens, logp, lengths, finished, prompt_tokens, prompt_mask, steps = generate_program(
-            cfg, plan, params, tokens_BxP, mask_BxP, *per_row, *scalars, eos_E, key)
-    n = B * G
+        tokens, logp, lengths, finished, done, prompt_tokens, prompt_mask, steps = generate_program(
+            cfg, plan, params, *sequences, *per_row, *scalars, eos_E)
+    n = rows.real_rows
     return SampleOutput(tokens=tokens[:n, :max_new_tokens], lengths=lengths[:n], finished=finished[:n],
                         logprobs=logp[:n, :max_new_tokens], prompt_tokens=prompt_tokens[:n],
-                        prompt_mask=prompt_mask[:n], steps=steps)
+                        prompt_mask=prompt_mask[:n], steps=steps, done=done[:n])

@@ -1,0 +1,187 @@
+"""The decode pool's rows: which prefilled sequence each row continues, how many tokens it already has, and the key
+and id it draws with -- the bookkeeping behind "a row leaves the pool and comes back with its tokens so far"
+(sampler.generate's stop_after_groups and resume).
+
+Row n of the program (decode_pool.generate_program) continues the prefilled sequence source_N[n] (left-padded in the
+prompt bucket P) from generation position start_N[n]: its token j (j >= start) is drawn with
+fold_in(fold_in(key_N[n], j), id_N[n]) (row_keys), fed back at RoPE position len(sequence) - start + j, and written
+at cache position P + j - start. A fresh row (sample g of prompt b, in a call with key k) continues prompt b from 0
+with key k and id b * G + g. A row that comes back (Resumed) brings its prompt, the tokens and behaviour log-probs it
+has so far, and its original call's key and row id: prompt + tokens are prefilled as one longer sequence and it goes
+on at start = len(tokens), each later token drawn with the key and at the position it would have had uninterrupted.
+Its carried log-probs are returned as given (those of the policy that drew them); the new ones are the running
+call's (the cache of its carried tokens is recomputed with the call's params). A multi-turn row -- leave the pool at
+a tool call, append the tool's answer, come back -- will take this same path.
+
+Groups: row n belongs to group group_N[n] (fresh rows: their prompt's; resumed rows: Resumed.group, rows with equal
+labels forming one group, None a group of its own); with stop_after_groups = k the loop ends once k groups have every
+row of theirs in the call done (complete_groups), and the rows still running come back as they are (done False).
+
+Layout (host side, `layout`): fresh rows first (prompt-major), then resumed rows in the order given, then filler rows
+(limit 0: done from the start) up to a multiple of data x fsdp. With no resumed rows the sequences are the prompts,
+padded as before (prompt-major rows: each shard's rows continue its own block of prompts when the prompts split
+evenly). With resumed rows each data-parallel shard's rows continue only sequences of that shard's block (a prompt
+whose G rows straddle two shards is prefilled in both, and the blocks are padded to one size), so each shard keeps
+its own queue (decode_pool.queue_groups).
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Resumed(NamedTuple):
+    """A row that comes back into the pool with the tokens it has so far (see the module docstring)."""
+    prompt: Sequence[int]
+    tokens: Sequence[int]  # its completion so far; decoding goes on at position len(tokens)
+    logprobs: Sequence[float]  # the behaviour log-probs of those tokens, returned exactly as given
+    key: jax.Array | int  # the seed (an int or a jax PRNG key) of the call that started the row
+    row_id: int  # its row index in that call (prompt-major: b * G + g)
+    max_new_tokens: int | None = None  # its budget for the whole completion (None: the running call's)
+    group: Hashable | None = None  # rows with equal labels complete one group; None: a group of its own
+
+
+class Rows(NamedTuple):
+    """Per-row inputs of the program (N rows)."""
+    source_N: jax.Array  # int32: the prefilled sequence row n continues
+    start_N: jax.Array  # int32: the generated tokens it already has (its next token is token start_N[n])
+    id_N: jax.Array  # int32: its id in its keys
+    group_N: jax.Array  # int32: its group (N for filler rows: in none)
+    key_N: jax.Array  # [N] PRNG keys: its call's key
+
+
+class Layout(NamedTuple):
+    """sampler.generate's rows on the host (numpy): the sequences to prefill and the per-row inputs."""
+    sequences: list  # token lists, prefilled each once (left-padded to the prompt bucket by the caller)
+    tokens_NxC: np.ndarray  # int32: each row's tokens so far, pad after
+    logp_NxC: np.ndarray  # float32: their behaviour log-probs, 0 after
+    limit_N: np.ndarray  # int32: each row's budget (0: a filler row)
+    rows: Rows  # numpy arrays; key_N as key data [N, ...] (uint32)
+    real_rows: int  # the rows returned: fresh rows, then resumed rows
+    groups: int
+
+
+def row_keys(key: jax.Array, steps_B: jax.Array, rows_B: jax.Array) -> jax.Array:
+    """Row b's key at its decode position steps_B[b]: fold_in(fold_in(key, step), row), key one key or one per row."""
+    fold = lambda k, j, r: jax.random.fold_in(jax.random.fold_in(k, j), r)
+    return jax.vmap(fold, (0 if key.ndim else None, 0, 0))(key, steps_B, rows_B)
+
+
+def complete_groups(group_N: jax.Array, done_N: jax.Array, valid_N: jax.Array) -> jax.Array:
+    """How many groups have rows in the call and every one of them done (filler rows are in group N: none)."""
+    N = group_N.shape[0]
+    count = lambda x: jnp.zeros((N,), jnp.int32).at[group_N].add(x.astype(jnp.int32), mode="drop")
+    return jnp.sum((count(valid_N) > 0) & (count(valid_N & ~done_N) == 0), dtype=jnp.int32)
+
+
+def as_key(seed) -> jax.Array:
+    """A typed PRNG key from an int seed, a typed key or a raw uint32 key."""
+    if isinstance(seed, jax.Array):
+        return seed if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) else jax.random.wrap_key_data(seed)
+    return jax.random.key(int(seed))
+
+
+def check_resumed(resumed: Sequence[Resumed], vocab: int, max_new_tokens: int, max_positions: int,
+                  eos_ids: Sequence[int]) -> None:
+    for i, r in enumerate(resumed):
+        j0, limit = len(r.tokens), max_new_tokens if r.max_new_tokens is None else int(r.max_new_tokens)
+        ids = [int(t) for t in (*r.prompt, *r.tokens)]
+        problem = ("needs a prompt" if not len(r.prompt) else
+                   f"has {j0} tokens and {len(r.logprobs)} log-probs" if len(r.logprobs) != j0 else
+                   f"has token ids outside [0, {vocab})" if min(ids) < 0 or max(ids) >= vocab else
+                   f"needs {j0} tokens so far < its max_new_tokens={limit} <= generate's {max_new_tokens}"
+                   if not j0 < limit <= max_new_tokens else
+                   f"ends in a stop token ({int(r.tokens[-1])}): it had stopped" if j0 and int(r.tokens[-1]) in eos_ids
+                   else f"has row_id={r.row_id}: needs an int >= 0" if int(r.row_id) < 0 else
+                   f"exceeds max_position_embeddings={max_positions}" if len(r.prompt) + limit > max_positions else "")
+        if problem:
+            raise ValueError(f"resume[{i}] {problem}")
+
+
+def _shard_sequences(wanted: list, N: int, dp: int) -> tuple[list, np.ndarray]:
+    """Each data-parallel shard's rows (N / dp each) continue the distinct sequences they want, placed in the shard's
+    block of sequences (blocks padded to one size with the block's first): -> (sequence names, source per row)."""
+    n = N // dp
+    blocks = [list(dict.fromkeys(wanted[q * n:(q + 1) * n])) or [wanted[0]] for q in range(dp)]
+    width = max(map(len, blocks))
+    names, source_N = [], np.zeros(N, np.int32)
+    for q, block in enumerate(blocks):
+        local = {name: i for i, name in enumerate(block)}
+        source_N[q * n:(q + 1) * n] = [q * width + local.get(name, 0) for name in wanted[q * n:(q + 1) * n]] + \
+            [q * width] * max(0, (q + 1) * n - max(q * n, len(wanted)))  # filler rows: the block's first
+        names += block + block[:1] * (width - len(block))
+    return names, source_N
+
+
+def _keys(seeds: list, key: jax.Array) -> np.ndarray:
+    """Key data [N, ...] of one key per row (the call's key where seeds[n] is None)."""
+    impl, cache, out = jax.random.key_impl(key), {}, []
+    for s in seeds:
+        k = key if s is None else s
+        token = id(k) if isinstance(k, jax.Array) else int(k)
+        if token not in cache:
+            typed = as_key(k)
+            if jax.random.key_impl(typed) != impl:
+                raise ValueError(f"a resumed row's key is a {jax.random.key_impl(typed)} key, the call's a {impl} key")
+            cache[token] = np.asarray(jax.random.key_data(typed))
+        out.append(cache[token])
+    return np.stack(out)
+
+
+def layout(prompts: list, G: int, limits: list, resumed: Sequence[Resumed], max_new_tokens: int, C: int, dp: int,
+           pad_id: int, key: jax.Array) -> Layout:
+    """The rows of one generate call (see the module docstring): fresh rows, resumed rows, filler rows."""
+    B, R = len(prompts), len(resumed)
+    if not R:
+        padded = B
+        while (padded * G) % dp:  # smallest padding that lets the N = padded * G rows split over data x fsdp
+            padded += 1
+        N = padded * G
+        sequences, source_N = prompts + [prompts[0]] * (padded - B), np.arange(N, dtype=np.int32) // G
+    else:
+        N = -(-(B * G + R) // dp) * dp
+        names, source_N = _shard_sequences([("p", n // G) for n in range(B * G)] + [("r", i) for i in range(R)], N, dp)
+        sequences = [prompts[i] if kind == "p" else [*map(int, resumed[i].prompt), *map(int, resumed[i].tokens)]
+                     for kind, i in names]
+    tokens_NxC, logp_NxC = np.full((N, C), pad_id, np.int32), np.zeros((N, C), np.float32)
+    limit_N, start_N, group_N = np.zeros(N, np.int32), np.zeros(N, np.int32), np.full(N, N, np.int32)
+    id_N = np.arange(N, dtype=np.int32)
+    limit_N[:B * G], group_N[:B * G] = limits, np.arange(B * G) // G
+    labels: dict = {}
+    for i, r in enumerate(resumed):
+        n, j0 = B * G + i, len(r.tokens)
+        tokens_NxC[n, :j0], logp_NxC[n, :j0], start_N[n], id_N[n] = r.tokens, r.logprobs, j0, int(r.row_id)
+        limit_N[n] = max_new_tokens if r.max_new_tokens is None else int(r.max_new_tokens)
+        group_N[n] = B + labels.setdefault(("row", i) if r.group is None else ("label", r.group), len(labels))
+    seeds = [None] * (B * G) + [r.key for r in resumed] + [None] * (N - B * G - R)
+    rows = Rows(source_N, start_N, id_N, group_N, _keys(seeds, key))
+    return Layout(sequences, tokens_NxC, logp_NxC, limit_N, rows, B * G + R, B + len(labels))
+
+
+def interrupted(out, prompts: Sequence[Sequence[int]], seed, num_samples: int = 1,
+                row_max_new_tokens: Sequence[int] | None = None, resume: Sequence[Resumed] = (),
+                tag: Hashable | None = None) -> list[Resumed]:
+    """The rows of `out` -- sampler.generate's output for these prompts, seed, num_samples, row_max_new_tokens and
+    resume -- that stop_after_groups interrupted (done False), as Resumed rows a later call continues as if never
+    interrupted (each keeps its call's key, its row id, its budget and its group). A fresh row's group is (tag, its
+    prompt's index); tag None: a new label, so rows of different calls never share a group."""
+    tag = object() if tag is None else tag
+    done, lengths = np.asarray(out.done), np.asarray(out.lengths)
+    tokens, logp = np.asarray(out.tokens), np.asarray(out.logprobs)
+    G, fresh = num_samples, len(prompts) * num_samples
+    back = []
+    for n in np.flatnonzero(~done):
+        so_far = dict(tokens=tokens[n, :lengths[n]], logprobs=logp[n, :lengths[n]])
+        if n >= fresh:  # a row that had come back already: its key, id and group stay, its budget is made explicit
+            r = resume[n - fresh]
+            back.append(r._replace(max_new_tokens=tokens.shape[1] if r.max_new_tokens is None else r.max_new_tokens,
+                                   **so_far))
+        else:
+            limit = tokens.shape[1] if row_max_new_tokens is None else int(row_max_new_tokens[n])
+            back.append(Resumed(list(prompts[n // G]), key=seed, row_id=int(n), max_new_tokens=limit,
+                                group=(tag, int(n // G)), **so_far))
+    return back
