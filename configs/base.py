@@ -91,3 +91,15 @@ def get_config(arg=None):
     # then the change is recorded in WORKDIR/config_changes.json
     c.train.allow_config_change = False
     return c
+
+
+def set_fields(c: ml_collections.ConfigDict, dotted: dict, where: str) -> None:
+    """c[a][b] = value for each "a.b": value; a key that names no field is an error naming `where` (an arm file)."""
+    for key, value in dotted.items():
+        *path, leaf = key.split(".")
+        node = c
+        for part in path:
+            node = node[part]
+        if leaf not in node:
+            raise ValueError(f"{where}: {key!r} is not a config field")
+        node[leaf] = value

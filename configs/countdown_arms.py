@@ -118,14 +118,7 @@ def seeds_for(arm: str, budget: str, default: int) -> int:
 
 
 def _set(c: ml_collections.ConfigDict, dotted: dict[str, Any]) -> None:
-    for key, value in dotted.items():
-        *path, leaf = key.split(".")
-        node = c
-        for part in path:
-            node = node[part]
-        if leaf not in node:
-            raise ValueError(f"countdown_arms: {key!r} is not a config field")
-        node[leaf] = value
+    base.set_fields(c, dotted, "countdown_arms")
 
 
 def parse_arg(arg: str | None) -> tuple[str, str]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import ml_collections
 
-from configs import smollm2_cpu
+from configs import base, smollm2_cpu
 
 PRESETS = ("study", "quick")
 
@@ -77,14 +77,7 @@ REGIME_CANDIDATES: dict[str, tuple[dict[str, Any], str]] = {
 
 
 def _set(c: ml_collections.ConfigDict, dotted: dict[str, Any]) -> None:
-    for key, value in dotted.items():
-        *path, leaf = key.split(".")
-        node = c
-        for part in path:
-            node = node[part]
-        if leaf not in node:
-            raise ValueError(f"smollm2_arms: {key!r} is not a config field")
-        node[leaf] = value
+    base.set_fields(c, dotted, "smollm2_arms")
 
 
 def parse_arg(arg: str | None) -> tuple[str, str]:

@@ -124,13 +124,7 @@ def pass_table(results: Mapping[str, Any]) -> str:
                           for arm, agg in results["aggregate"].items()])
 
 
-def _diff(r: Mapping[str, Any]) -> str:
-    if math.isnan(r["mean"]):
-        return "–"
-    text = f"{r['mean']:+.3f}" + ("" if math.isnan(r["half"]) else f" ± {r['half']:.3f}")
-    if not math.isnan(r["p_holm"]):
-        text += f" (p {r['p_holm']:.2f})" + (" *" if r["p_holm"] < 0.05 else "")
-    return text + ("" if r["n"] > 1 else " (1 seed)")
+_diff = report._diff_cell  # one format for a paired difference in both studies' reports
 
 
 def pairs_tables(results: Mapping[str, Any]) -> tuple[str, str]:
