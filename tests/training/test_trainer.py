@@ -56,25 +56,32 @@ def test_one_train_step_changes_params_and_reports_metrics():
 
 
 def test_grad_accumulation_matches_full_batch():
+    import optax
     config = _tiny()
     cfg = build.model_config(config, vocab_size=23)
     from sage_jax.models import decoder as model
     params = model.init_params(cfg, jax.random.key(0))
-    tx, schedule = train_state.make_optimizer(config.optim, 10)
     batch = _fake_batch(cfg)
-    # seq-mean-token-mean over equal micro-batches averages to the full-batch value exactly
+    # seq-mean-token-mean over equal micro-batches averages to the full-batch loss and gradient: the same float32 sums
+    # in another order. SGD with learning rate 1 reads the gradient back as the params' change (Adam's first step
+    # divides a near-zero gradient by its own size: no reduction length bounds that).
     loss_cfg = objectives.LossConfig.from_config(config.loss.to_dict() | {"guide": "none"})
     outs = []
     for accum in (1, 2):
+        tx = optax.sgd(1.0)
         state = train_state.init_state(jax.tree.map(jnp.copy, params), tx)
-        step = train_state.make_train_step(cfg, loss_cfg, tx, schedule, seed=0, grad_accum=accum)
+        step = train_state.make_train_step(cfg, loss_cfg, tx, lambda count: 1.0, seed=0, grad_accum=accum)
         state, m = step(state, batch)
-        outs.append((state["params"], m))
-    for key in ("loss/total", "opt/grad_norm", "rl/entropy"):
-        np.testing.assert_allclose(outs[0][1][key], outs[1][1][key], rtol=1e-4)
-    # Adam's first step is ~lr * sign(grad), so float noise in near-zero gradients shows up at ~lr scale
-    for a, b in zip(jax.tree.leaves(outs[0][0]), jax.tree.leaves(outs[1][0])):
-        np.testing.assert_allclose(a, b, atol=5e-5)
+        outs.append((jax.tree.map(lambda a, b: a - b, state["params"], params), m))
+    terms = decoder_terms(cfg, batch["tokens"].shape[1]) + batch["completion_mask"].size
+    for key in ("loss/total", "opt/grad_norm"):
+        np.testing.assert_allclose(outs[0][1][key], outs[1][1][key], **f32_tols(terms))
+    # a metric's token mean is averaged over the micro-batches, whose completion lengths differ: not the full batch's
+    # token mean by definition (3e-4 relative here), so it is only checked to be that average's neighbour
+    np.testing.assert_allclose(outs[0][1]["rl/entropy"], outs[1][1]["rl/entropy"], rtol=1e-2)
+    for a, b in zip(jax.tree.leaves(outs[0][0]), jax.tree.leaves(outs[1][0])):  # -gradients, read back at |p|
+        np.testing.assert_allclose(a, b, **f32_tols(terms, floor=np.abs(b).max(),
+                                                     rounded_at=max(float(np.abs(x).max()) for x in jax.tree.leaves(params))))
 
 
 def test_dynamic_sampling_filters_groups_on_accuracy_not_on_shaped_rewards(monkeypatch):
