@@ -57,9 +57,9 @@ def _check_out_dir(out_dir: Path) -> None:
 
 def convert(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     """Writes config.json, generation_config.json, model.safetensors and the tokenizer files to out_dir."""
-    gguf_path = check_gguf_file(gguf_path)
     out_dir = Path(out_dir).expanduser()
-    _check_out_dir(out_dir)
+    _check_out_dir(out_dir)  # first: nothing is read from a file whose output has nowhere to go
+    gguf_path = check_gguf_file(gguf_path)
     import importlib.util
     # transformers needs both to read GGUF; say the fix here instead of failing deep inside it
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]

@@ -184,13 +184,14 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
                        top_k=0 if greedy or top_k >= cfg.vocab_size else top_k, use_top_p=not greedy and top_p < 1,
                        use_min_p=not greedy and min_p > 0, mesh=mesh, slots=S, stop_early=stop_after_groups is not None,
                        unstack_layers=jax.default_backend() == "cpu" if unstack_layers is None else bool(unstack_layers))
-    per_row = (rows.tokens_NxC, rows.logp_NxC, rows.limit_N,
-               rows.rows._replace(key_N=jax.random.wrap_key_data(rows.rows.key_N, impl=jax.random.key_impl(key))))
+    per_row = (rows.tokens_NxC, rows.logp_NxC, rows.limit_N, rows.rows)  # host arrays, the keys as their raw data
     sequences = _left_pad(rows.sequences, P, pad_id)
-    if mesh is not None:
+    if mesh is not None:  # every process passes the same host arrays: device_put takes them onto a mesh of several
         put = lambda x: jax.device_put(x, sharding_lib.data_sharding(mesh, x.ndim) if x.shape[0] % dp == 0
                                        else NamedSharding(mesh, PartitionSpec()))
         sequences, per_row = jax.tree.map(put, (sequences, per_row))
+    row_info = per_row[3]._replace(key_N=jax.random.wrap_key_data(per_row[3].key_N, impl=jax.random.key_impl(key)))
+    per_row = (*per_row[:3], row_info)
     scalars = (np.int32(stop_after_groups or 0), np.float32(temperature or 1.0), np.float32(top_p),
                np.float32(min_p), np.int32(pad_id))
     eos_E = np.full(max(4, 1 << max(len(eos_ids) - 1, 0).bit_length()), -1, np.int32)  # -1 never matches
