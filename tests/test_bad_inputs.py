@@ -182,7 +182,7 @@ def test_ctrl_c_exits_130_with_a_resume_hint(tmp_path):
     # inside the step loop a Ctrl-C stops at the step boundary, after a checkpoint of the last completed step
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     stops = [line for line in err.splitlines() if line.startswith("stopped by SIGINT after RL step ")]
-    assert len(stops) == 1 and "resume with: python -m" in stops[0], err[-3000:]
+    assert len(stops) == 1 and "python -m" in stops[0].split("resume with: ")[1], err[-3000:]
     assert stops[0] == err.strip().splitlines()[-1], err[-3000:]  # nothing from the workers after the stop line
     step = int(stops[0].split("after RL step ")[1].split(":")[0])
     assert (workdir / "rl" / "checkpoints" / str(step)).is_dir()
@@ -206,7 +206,8 @@ def _wait_for(proc, path: Path, what: str):
 def _stopped_at(err: str, what: str) -> int:
     import re
     stops = [line for line in err.splitlines() if line.startswith(f"stopped by SIGTERM after {what} ")]
-    assert len(stops) == 1 and "resume with: python -m sage_jax." in stops[0], err[-3000:]
+    assert len(stops) == 1 and "python -m sage_jax." in stops[0].split("resume with: ")[1], err[-3000:]
+    assert "XLA_FLAGS=--xla_force_host_platform_device_count=1" in stops[0]  # the devices the run was built on
     return int(re.search(rf"after {what} (\d+):", stops[0]).group(1))
 
 
@@ -357,3 +358,24 @@ def test_a_real_full_disk_prints_only_the_error_line(tmp_path):
     r = subprocess.run(["unshare", "-m", "sh", "-c", shell], cwd=ROOT, env=_env(), capture_output=True, text=True,
                        timeout=300)
     _assert_only_the_error_line(r, "no space left on device")
+
+
+def test_a_workdir_that_cannot_be_written_is_one_error_line():
+    """A read-only filesystem (here /sys) at start: one line naming the workdir, no traceback, no lock left."""
+    r = subprocess.run([sys.executable, "-m", "sage_jax.train", "--config", TINY, "--workdir", "/sys/sage_jax_ro"],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "workdir /sys/sage_jax_ro: cannot write there" in r.stderr.strip().splitlines()[-1]
+
+
+def test_a_lock_whose_write_fails_leaves_no_empty_file(tmp_path, monkeypatch):
+    """A full disk while the run lock is written: the half-made file is removed (it would read as someone's lock)."""
+    from sage_jax.run import paths
+
+    def full(fd, mode):
+        os.close(fd)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(paths.os, "fdopen", full)
+    with pytest.raises(OSError, match="No space"):
+        paths.create_text(str(tmp_path / "run.lock"), "{}")
+    assert not (tmp_path / "run.lock").exists()

@@ -125,6 +125,10 @@ def setup_runtime(workdir: str) -> None:
     from sage_jax.run import metrics_log as slog
     from sage_jax.run import paths
     sharding.initialize_distributed()
-    paths.makedirs(workdir)
-    run_guard.acquire(workdir)
+    try:
+        paths.makedirs(workdir)
+        run_guard.acquire(workdir)
+    except OSError as e:  # a read-only or full disk, a folder that cannot be made
+        raise ValueError(f"workdir {workdir}: cannot write there ({e.strerror or e}); pass a --workdir on a writable "
+                         "disk with free space") from None
     slog.setup_python_logging(workdir, pylogging.INFO)

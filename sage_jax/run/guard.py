@@ -322,11 +322,16 @@ def raise_on_sigterm() -> None:
 
 
 def resume_command() -> str:
-    """The command line this process was started with, as `python -m MODULE ...` for a module run."""
+    """The command line this process was started with, as `python -m MODULE ...` for a module run, behind the
+    environment that shapes the run (XLA_FLAGS: e.g. the simulated devices a split placement needs; JAX_PLATFORMS)."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     name = spec.name.removesuffix(".__main__") if spec is not None and spec.name else ""  # a folder's __main__
     prog = ["python", "-m", name] if name else ["python", sys.argv[0]]
-    return shlex.join([*prog, *sys.argv[1:]])
+    env = [f"{k}={shlex.quote(os.environ[k])}" for k in RESUME_ENV if os.environ.get(k)]
+    return " ".join([*env, shlex.join([*prog, *sys.argv[1:]])])
+
+
+RESUME_ENV = ("XLA_FLAGS", "JAX_PLATFORMS")  # what a resume must repeat to build the same devices
 
 
 class StepStop:

@@ -157,8 +157,12 @@ def create_text(p: PathLike, text: str) -> bool:
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        except OSError:  # a full disk: leave no empty file behind that reads as someone's lock
+            os.unlink(p)
+            raise
         return True
     fs = _fsspec(p)
     try:

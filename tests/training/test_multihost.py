@@ -117,7 +117,7 @@ def test_sigterm_to_one_process_stops_both_after_one_shared_checkpoint_and_both_
     for p, err in zip(procs, errs):
         assert p.returncode == 143 and "Traceback" not in err, err[-3000:]
         stops = [line for line in err.splitlines() if line.startswith("stopped by SIGTERM after RL step ")]
-        assert len(stops) == 1 and "resume with: python -m sage_jax.train" in stops[0], err[-3000:]
+        assert len(stops) == 1 and "python -m sage_jax.train" in stops[0].split("resume with: ")[1], err[-3000:]
         steps.append(int(re.search(r"after RL step (\d+):", stops[0]).group(1)))
     assert steps[0] == steps[1] >= 1, steps
     step = steps[0]
