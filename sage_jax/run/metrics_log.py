@@ -188,6 +188,9 @@ def _short(x: float) -> str:
     return f"{x:.3g}" if (x == 0 or 1e-3 <= abs(x) < 1e4) else f"{x:.2e}"
 
 
+COMPILING = "compiling the step's programs (the first step; the ETA counts the steps after it)"
+
+
 class Progress:
     """tqdm bar on stderr with ETA; postfix shows reward, KL, entropy, q mean/max and seconds per step.
 
@@ -206,6 +209,9 @@ class Progress:
         self._bar = tqdm(total=int(total), initial=int(initial), desc=desc, unit="step",
                          file=file if file is not None else sys.stderr, disable=not self.enabled,
                          dynamic_ncols=True, mininterval=1.0, smoothing=0.1)
+        self._compiling = True  # the first step compiles its programs: said, and left out of the ETA
+        if self.enabled:
+            self._bar.set_postfix_str(COMPILING)
 
     @property
     def postfix(self) -> str:
@@ -228,6 +234,11 @@ class Progress:
         self._bar.set_postfix_str(self.postfix, refresh=False)
         if steps_done > 0:
             self._bar.update(steps_done)
+            if self._compiling:  # the rate (and so the ETA) from the steps after the compiles only
+                self._compiling = False
+                self._bar.reset(total=self.total)
+                self._bar.initial = self._bar.n = step
+                self._bar.refresh()
         else:
             self._bar.refresh()
 

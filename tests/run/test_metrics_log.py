@@ -150,6 +150,19 @@ def test_progress_postfix():
     assert silent.getvalue() == ""
 
 
+def test_progress_says_the_first_step_compiles_and_leaves_it_out_of_the_eta():
+    out = io.StringIO()
+    bar = slog.Progress(total=100, enabled=True, file=out)
+    bar._bar.refresh()
+    assert "compiling" in out.getvalue()  # shown before the first step ends
+    bar._bar.start_t -= 3600.0  # the first step took an hour (its compiles)
+    bar.update(1, {"rl/reward": 0.5})
+    assert bar._bar.initial == bar._bar.n == 1 and bar._bar.format_dict["elapsed"] < 60  # the rate starts afresh
+    bar.update(2)
+    assert bar._bar.n == 2 and "compiling" not in bar._bar.postfix
+    bar.close()
+
+
 @pytest.fixture
 def root_logging():
     """The root logger as a test found it, restored after it (handlers sage_jax added are closed)."""
