@@ -28,16 +28,19 @@ from sage_jax.run import cli
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="pass@k of a model on evaluation sets (resumable).")
     p.add_argument("--model", required=True, help="HF model directory or training workdir")
-    p.add_argument("--datasets", default="aime24,aime25,amc23,math500", help="comma-separated names or paths")
+    p.add_argument("--datasets", default=None, help="comma-separated names or paths (default: a training workdir's "
+                   "own evaluation sets, its data.eval; else aime24,aime25,amc23,math500)")
     p.add_argument("--n", type=int, default=256, help="samples per problem")
     p.add_argument("--k", default="", help="comma-separated k values (default 1, 2, 4, ..., n)")
     p.add_argument("--out", default="", help="output folder (default WORKDIR/eval/<source> or ./eval/<model name>)")
     p.add_argument("--data-dir", default="", help="folder holding math500/, aime24/, ... (default: loaders')")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--max-new-tokens", type=int, default=3072)
+    # sampling: a training workdir's own evaluation settings (its eval.*) unless given; else these defaults
+    p.add_argument("--temperature", type=float, default=None, help="default: the run's eval.temperature, else 1.0")
+    p.add_argument("--top-p", type=float, default=None, help="default: the run's eval.top_p, else 1.0")
+    p.add_argument("--top-k", type=int, default=None, help="default: the run's rollout.top_k, else 0")
+    p.add_argument("--min-p", type=float, default=None, help="default: the run's eval.min_p, else 0.0")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="default: the run's eval.max_new_tokens (or rollout.max_new_tokens), else 3072")
     p.add_argument("--template", default="", help="prompt template (default: the run's data.template, else "
                    "qwen_math_boxed; plain for countdown; chat: the model's own chat template)")
     p.add_argument("--limit", type=int, default=0, help="only the first N problems of each dataset (0 = all)")

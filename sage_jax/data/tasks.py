@@ -164,6 +164,12 @@ def _math_set(name: str, split: str, config, data_dir, fields=None, limit=None, 
     return loaders.load_dataset(name, split, data_dir=data_dir, limit=limit, **(fields or {}))
 
 
+def generated_eval_set(name: str, config) -> list[Example]:
+    """A generated held-out set (arith_words) exactly as a run of `config` evaluated on it (disjoint from its train)."""
+    train = _math_set(name, "train", config, None)
+    return _math_set(name, "test", config, None, limit=config.data.eval_problems or None, exclude=train)
+
+
 def _kk_example(puzzle: dict, i: int) -> Example:
     from sage_jax.rewards import kk
     problem = puzzle.get("quiz") or kk.prompt(puzzle)

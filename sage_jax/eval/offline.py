@@ -21,6 +21,7 @@ from sage_jax.eval import passk as evaluation
 from sage_jax.eval.source import ModelSource, default_out, load_model, load_tokenizer, resolve_model
 from sage_jax.run import paths
 
+GENERATED_SETS = ("arith_words",)  # made by a generator from the run's seed, not read from files
 COUNTDOWN_SETS = {"countdown": "test", "countdown_ood": "test_ood"}
 SETTINGS_FILE = "eval_settings.json"
 
@@ -79,9 +80,13 @@ def reward_for(name: str, task: str) -> str:
     base = split_name(name)[0]
     if base in COUNTDOWN_SETS:
         return "countdown"
+    if base in GENERATED_SETS:
+        if task == "countdown":
+            raise ValueError(f"dataset {name!r} does not suit a countdown model (character tokenizer)")
+        return "math"
     looks_like_a_path = "://" in base or os.sep in base or base.endswith((".jsonl", ".json", ".parquet"))
     if base not in DATASETS and not looks_like_a_path and not os.path.exists(base):
-        raise ValueError(f"unknown dataset {name!r}: name one of {', '.join(sorted([*DATASETS, *COUNTDOWN_SETS]))}, "
+        raise ValueError(f"unknown dataset {name!r}: name one of {', '.join(sorted([*DATASETS, *COUNTDOWN_SETS, *GENERATED_SETS]))}, "
                          "or give a .jsonl / .parquet file or folder (or hf://...)")
     if task == "countdown":
         raise ValueError(f"dataset {name!r} does not suit a countdown model (character tokenizer); evaluate it on "
@@ -112,6 +117,9 @@ def load_examples(name: str, data_dir: str, limit: int, run_config: Any, data_se
             examples = tasks.countdown_sets(run_config).get(base)
             if examples is None:
                 raise ValueError(f"the run's config has no {base} split (data.ood_max_number is 0)")
+    elif base in GENERATED_SETS and run_config is not None:  # the trained task's own held-out set, as it made it
+        from sage_jax.data import tasks
+        examples = tasks.generated_eval_set(base, run_config)
     else:
         examples = loaders.load_dataset(base, split or "test", data_dir=data_dir or None)
     if not examples:
@@ -189,15 +197,39 @@ def write_summary(out: Path, results: dict[str, dict[str, Any]], ks: Sequence[in
 # ------------------------------------------------------------------------------------------------ run
 
 
+def run_defaults(args: argparse.Namespace, run_config: Any) -> list[str]:
+    """Fill the flags left unset from a training run's own evaluation (its data.eval sets, its eval.* sampling), else
+    the command's defaults; the datasets' names."""
+    ev = run_config.eval if run_config is not None else None
+    run_sampling = {} if ev is None else {
+        "temperature": ev.temperature, "top_p": ev.get("top_p", 1.0), "min_p": ev.min_p,
+        "top_k": run_config.rollout.get("top_k", 0),
+        "max_new_tokens": ev.max_new_tokens or run_config.rollout.max_new_tokens}
+    for name, default in SAMPLING_DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, type(default)(run_sampling.get(name, default)))
+    if args.datasets is None:
+        if run_config is not None and run_config.data.task == "countdown":  # its held-out sets, regenerated
+            args.datasets = "countdown" + (",countdown_ood" if run_config.data.get("ood_max_number", 0) else "")
+        elif run_config is not None and run_config.data.eval:
+            args.datasets = str(run_config.data.eval)
+        else:
+            args.datasets = "aime24,aime25,amc23,math500"
+    return [s.strip() for s in args.datasets.split(",") if s.strip()]
+
+
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "max_new_tokens": 3072}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    names = [s.strip() for s in args.datasets.split(",") if s.strip()]
-    if not names:
+    if args.datasets is not None and not args.datasets.strip(" ,"):
         raise ValueError("--datasets is empty; name at least one dataset (e.g. math500)")
+    source = resolve_model(args.model, args.step)
+    run_config = source.run_config
+    names = run_defaults(args, run_config)
     ks = check_ks(parse_ints(args.k, "--k") if args.k else evaluation.default_ks(args.n), args.n)
     if args.max_new_tokens < 1 or args.max_rows < 1 or args.batch_problems < 0 or args.limit < 0:
         raise ValueError("--max-new-tokens and --max-rows must be >= 1, --batch-problems and --limit >= 0")
-    source = resolve_model(args.model, args.step)
-    run_config = source.run_config
     task = infer_task(args.task, source, names)
     data_seed = args.data_seed if args.data_seed is not None else int(run_config.seed) if run_config else 0
     data_dir = args.data_dir or (run_config.data.get("data_dir", "") if run_config is not None else "")

@@ -264,6 +264,28 @@ def test_trained_countdown_workdir(tmp_path, request):
     config = config_lib.load("configs/tiny_test.py", ["--config.train.steps=1", "--config.train.export_hf=true",
                                                      "--config.train.use_tensorboard=false"])
     trainer.run(config, str(tmp_path))
-    assert _main(["--model", tmp_path, "--datasets", "countdown,countdown_ood", "--limit", "2", *FAST]) == 0
+    assert _main(["--model", tmp_path, "--limit", "2", *FAST]) == 0  # the run's own held-out set (no OOD split here)
     summary = json.loads((tmp_path / "eval" / "hf_export" / "summary.json").read_text())
-    assert set(summary["datasets"]) == {"countdown", "countdown_ood"}
+    assert set(summary["datasets"]) == {"countdown"}
+
+
+def test_a_training_workdir_is_evaluated_with_its_own_sampling_and_sets():
+    """evaluate --model WORKDIR: the run's eval.* sampling and data.eval sets unless flags say otherwise (it used to
+    sample 3,072 tokens at T 1.0 on the math sets for a run that evaluated 40 tokens at T 0.7 on arith_words)."""
+    from sage_jax import evaluate
+    from sage_jax.data import word_problems
+    from sage_jax.run import config as config_lib
+    run_config = config_lib.load("configs/smollm2_cpu.py")
+    args = evaluate.parse_args(["--model", "W"])
+    assert ev.run_defaults(args, run_config) == ["arith_words"]
+    assert (args.temperature, args.min_p, args.max_new_tokens, args.top_p) == (0.7, 0.1, 40, 1.0)
+    args = evaluate.parse_args(["--model", "W", "--temperature", "1.0", "--datasets", "math500"])
+    assert ev.run_defaults(args, run_config) == ["math500"] and args.temperature == 1.0 and args.min_p == 0.1
+    args = evaluate.parse_args(["--model", "DIR"])
+    assert ev.run_defaults(args, None) == ["aime24", "aime25", "amc23", "math500"] and args.max_new_tokens == 3072
+    countdown = config_lib.load("configs/cpu_demo.py")
+    assert ev.run_defaults(evaluate.parse_args(["--model", "W"]), countdown)[0] == "countdown"
+    held_out = ev.load_examples("arith_words", "", 0, run_config, int(run_config.seed))
+    train = word_problems.generate(run_config.data.num_train, run_config.seed)
+    assert len(held_out) == run_config.data.num_eval and not {e.problem for e in held_out} & {e.problem for e in train}
+    assert ev.reward_for("arith_words", "math") == "math"
