@@ -54,7 +54,12 @@ def get_config(arg=None):
         prompts_per_step=64, group_size=8, temperature=1.0, top_p=1.0, top_k=0, min_p=0.01, max_new_tokens=6144,
         # decode slots (sage_jax.sampling.sampler): None = one per row (a static batch); N = N rows decode at once, the rest
         # queue for a slot; "auto" = as many as fit the accelerator's free memory
-        slots=None))
+        slots=None,
+        # partial rollouts (sage_jax/training/partial.py): the sampler returns once the step's groups are complete and
+        # the rows still running carry into the next step's call; oversample x prompts_per_step groups are kept in
+        # flight; a group whose first token is more than max_lag policy versions older than the step that would train
+        # it is dropped (rl/dropped_groups)
+        partial=False, oversample=1.5, max_lag=4))
 
     # The loss and guide defaults live in objectives.LossConfig and guides.GuideConfig (one flat dict here): k3
     # anchor, beta 0.05, clip 0.2, GRPO aggregation, advantages over the group's std (ddof 1) + 1e-4, no guide;

@@ -193,6 +193,9 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("rollout.min_p", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("rollout.slots", lambda v: v is None or v in ("auto", "all") or (str(v).isdigit() and int(v) >= 1),
      "an integer >= 1 (decode slots), 'auto' (as many as fit) or 'all' / None (one per row)"),
+    ("rollout.partial", lambda v: isinstance(v, bool), "True or False (partial rollouts)"),
+    ("rollout.oversample", lambda v: v >= 1, ">= 1 (groups kept in flight per group trained)"),
+    ("rollout.max_lag", lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (policy versions)"),
     ("loss.beta", lambda v: v >= 0, ">= 0"),
     ("loss.gamma", lambda v: v >= 0, ">= 0"),
     ("loss.tau", lambda v: v > 0, "> 0"),
@@ -257,6 +260,20 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
             good = False
         if not good:
             raise ConfigError(f"--config.{key}={value!r}: must be {must}")
+    _, partial = _get(config, "rollout.partial")
+    if partial:
+        _, k = _get(config, "train.off_policy_steps")
+        _, lag = _get(config, "rollout.max_lag")
+        _, dynamic = _get(config, "train.dynamic_sampling")
+        if k and k > 1:
+            raise ConfigError(f"--config.rollout.partial=True works with train.off_policy_steps 0 or 1, not {k}: each "
+                              "step's call continues the rows the call before it left")
+        if k and lag < k:
+            raise ConfigError(f"--config.rollout.max_lag={lag}: must be >= train.off_policy_steps={k} (every token "
+                              "is that many steps old): no group could be trained")
+        if dynamic:
+            raise ConfigError("--config.rollout.partial=True does not combine with train.dynamic_sampling=True yet: "
+                              "set one of them to False")
     present, ks = _get(config, "eval.ks")
     _, n = _get(config, "eval.n")
     if present and (not ks or any(not isinstance(k, int) or not 1 <= k <= n for k in ks)):

@@ -139,9 +139,11 @@ class Pipeline:
         self.cancelled = threading.Event()
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sage-rollouts") if k else None
         self.dir = os.path.join(workdir, "offpolicy") if workdir else None
+        self.takes_version = "version" in inspect.signature(collect).parameters
 
-    def _phases(self, params, step: int):
-        out = self.collect(params, step)
+    def _phases(self, params, step: int, version: int):
+        # a collect that takes `version` (partial rollouts: each token's policy version) is told whose params these are
+        out = self.collect(params, step, version=version) if self.takes_version else self.collect(params, step)
         if inspect.isgenerator(out):
             out = yield from out
         return out
@@ -162,7 +164,7 @@ class Pipeline:
 
     def _start(self, params, step: int, version: int) -> _Batch:
         """Batch `step` sampled with the params of RL step `version`, left running in the background."""
-        batch = _Batch(self._phases(params, step), version)
+        batch = _Batch(self._phases(params, step, version), version)
         if self.serial:
             self._advance(batch, until=rollouts.HOST)  # its device work, dispatched from this thread
         batch.future = self.executor.submit(self._advance, batch, rollouts.DEVICE if self.serial else None)
@@ -180,7 +182,7 @@ class Pipeline:
         t0 = time.perf_counter()
         if not self.k:
             placed, sync = self.place(params)
-            ro, stats, _ = self._finish(_Batch(self._phases(placed, step), step))
+            ro, stats, _ = self._finish(_Batch(self._phases(placed, step, step), step))
             return ro, {**stats, **sync}
         batch = self.pending.pop(step, None)
         got = self._finish(batch) if batch is not None else self._load(step)
@@ -189,7 +191,7 @@ class Pipeline:
                         "now with the restored policy (rl/staleness 0 at this step)", step)
         dispatch = step + self.k < self.steps and step + self.k not in self.pending
         placed, sync = self.place(params) if dispatch or got is None else (None, {})
-        ro, stats, version = got if got is not None else self._finish(_Batch(self._phases(placed, step), step))
+        ro, stats, version = got if got is not None else self._finish(_Batch(self._phases(placed, step, step), step))
         if not 0 <= step - version <= self.k:
             raise RuntimeError(f"RL step {step} was handed a batch of step {version}'s policy; at most "
                                f"train.off_policy_steps={self.k} steps old is allowed")

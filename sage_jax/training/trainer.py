@@ -23,7 +23,7 @@ from sage_jax.eval import passk as evaluation
 from sage_jax.models import build, lora, sharding
 from sage_jax.rl import guides, objectives, packing
 from sage_jax.run import checkpoint, paths
-from sage_jax.training import offpolicy, rollouts, supervised
+from sage_jax.training import offpolicy, partial as partial_lib, rollouts, supervised
 from sage_jax.run import config as config_lib
 from sage_jax.run import metrics_log as slog
 from sage_jax.models import decoder as model_lib
@@ -59,7 +59,7 @@ class RLContext:
     grad_accum: int = 1
     lora_cfg: lora.LoraConfig | None = None  # LoRA: the state trains adapters on the frozen `base`
     base: Any = None
-    off_policy: bool = False             # train.off_policy_steps > 0: batches come from an earlier policy
+    off_policy: bool = False             # train.off_policy_steps > 0 or rollout.partial: tokens of earlier policies
 
     def policy(self, trained) -> Any:
         """The params to sample and score the policy with: the trained params, or with LoRA base + adapters."""
@@ -230,7 +230,7 @@ def setup_rl(config, mesh, rules, tokenizer, params_override=None) -> tuple[RLCo
                     num_iterations=optim.num_iterations, mini_batches=optim.mini_batches,
                     logprob_rows=config.train.logprob_rows, seed=config.seed, packing=config.train.packing,
                     grad_accum=optim.grad_accum, lora_cfg=lora_cfg, base=base,
-                    off_policy=config.train.get("off_policy_steps", 0) > 0)
+                    off_policy=config.train.get("off_policy_steps", 0) > 0 or config.rollout.get("partial", False))
     return ctx, state
 
 
@@ -261,9 +261,12 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
         logger = slog.MetricsLogger(workdir, None if start else config.to_dict(), use_tensorboard=tr.use_tensorboard,
                                     use_wandb=tr.use_wandb, resume_step=start)  # a resume keeps config.json
         summary = Summary(os.path.join(workdir, "summary.json"))
+        carry = partial_lib.Carry(workdir) if config.rollout.get("partial", False) else None
         with RewardPool(tr.reward or task.reward, num_workers=tr.reward_workers, timeout_s=tr.reward_timeout,
                         memory_mb=tr.reward_memory_mb) as pool, offpolicy.Pipeline(
-                functools.partial(collect_phases, task, ctx.cfg, config, offpolicy.TimedPool(pool)), k, tr.steps,
+                functools.partial(collect_phases, task, ctx.cfg, config, offpolicy.TimedPool(pool)) if carry is None
+                else functools.partial(partial_lib.collect_phases, task, ctx.cfg, config, offpolicy.TimedPool(pool),
+                                       carry), k, tr.steps,
                 mesh=rollout_mesh or mesh, rules=rules, place=offpolicy.placement(ctx, rollout_mesh, rules, k > 0),
                 workdir=workdir) as collect:
             evaluate = lambda params, tag: run_eval(task, ctx.cfg, params, config,
@@ -276,7 +279,10 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
             record = run_record.as_record(config)
             meta = lambda done: {"rl_step": done, "seed": config.seed, "model": model, "config": record}
             save = lambda done: ckpt.save(done, state, meta(done))  # the state first: a preemption notice is short
-            pending = lambda done: collect.save(done, keep=ckpt.all_steps())  # then the batches in flight
+            def pending(done: int) -> None:  # then the batches in flight and the rows carried
+                collect.save(done, keep=ckpt.all_steps())
+                if carry is not None:
+                    carry.save(done, k, keep=ckpt.all_steps())
             stop = run_guard.StepStop("RL step", ckpt, save, lambda: report(late.flush()), (progress, logger), pending)
             for step in stop.steps(start, tr.steps):
                 state, metrics, host, ro = rl_step(ctx, state, step, collect)
