@@ -6,6 +6,7 @@
   python -m sage_jax.bench matmul                                           # the peak: jitted square matmuls
   python -m sage_jax.bench rl_step --preset small                           # vs trl.GRPOTrainer, same weights
   python -m sage_jax.bench rl_step --preset small --new-tokens 512 --workload longtail --layout both
+  python -m sage_jax.bench rl_step --preset small --batch 64 --group 8 --new-tokens 512 --workload longtail --steady 4
   python -m sage_jax.bench memory                                           # chunked vs naive log-probs
   python -m sage_jax.bench scaling --plot docs/perf_scaling.png
   python -m sage_jax.bench gpu --out gpu_bench.json                         # on an accelerator (--quick: any)
@@ -77,6 +78,13 @@ def training_parser() -> argparse.ArgumentParser:
                         help="rl_step: every completion --new-tokens long, or long-tailed lengths up to it")
     parser.add_argument("--layout", default="packed", choices=["packed", "padded", "both"],
                         help="rl_step: our reference pass and update on packed or padded rows")
+    parser.add_argument("--steady", type=int, default=0,
+                        help="rl_step: N > 0 runs N consecutive steps after a warm-up, on-policy and with partial "
+                        "rollouts interleaved (TRL: --repeats steps beside them, unless --no-trl)")
+    parser.add_argument("--oversample", default="1.5", help="rl_step --steady: rollout.oversample (comma-separated: "
+                        "one partial-rollout arm each)")
+    parser.add_argument("--max-lag", type=int, default=4, help="rl_step --steady: rollout.max_lag")
+    parser.add_argument("--warmup", type=int, default=3, help="rl_step --steady: steps left out first (compiling)")
     _json_flag(parser)
     return parser
 

@@ -16,6 +16,8 @@ import statistics
 import time
 from typing import Sequence
 
+import numpy as np
+
 from sage_jax.plan import phase_model
 
 
@@ -299,9 +301,13 @@ def placements_for(config, cfg, chip: str, chips: int, host_s: float | None = No
     tensor = int(config.mesh.shape[2]) if int(config.mesh.shape[2]) > 0 else 1
     splits = range(tensor, chips, tensor) if every_split else (chips // 4, chips // 2, 3 * chips // 4)
     splits = [n for n in splits if n % tensor == 0]
+    # partial rollouts priced on a stream of such batches (rollout.oversample and max_lag as configured)
+    stream = np.concatenate([wl.longtail_lengths(len(lengths), ro.max_new_tokens, seed + c) for c in range(40)])
     return phase_model.placements(cfg, ro.prompts_per_step, config.data.max_prompt_len, lengths, machine, chips, tensor,
                                   host_s, splits, packed=config.train.packing, stages=stages,
-                                  max_new_tokens=ro.max_new_tokens)
+                                  max_new_tokens=ro.max_new_tokens,
+                                  partial=(ro.get("oversample", 1.5), ro.get("max_lag", 4), stream),
+                                  group=ro.group_size)
 
 
 def format_placements(rows: list[dict], chip: str, chips: int) -> str:
@@ -313,5 +319,10 @@ def format_placements(rows: list[dict], chip: str, chips: int) -> str:
         lines.append(f"  {r['placement']:22}{r['n']:>4}{r['generate_s']:>9.1f}s{r['tail_s']:>8.1f}s{r['train_s']:>8.1f}s"
                      f"{r['sync_s']:>7.3f}s{r['host_s']:>7.1f}s{r['step_s']:>8.1f}s{r['tokens_per_s']:>11,.0f}"
                      f"{r['vs_on_policy']:>8.2f}")
+    part = [r for r in rows if r["placement"].startswith("partial")]
+    if part:
+        lines.append(f"  partial rollouts: steady state of phase_model.partial_schedule (tokens/s: tokens trained); "
+                     f"mean token lag {part[0]['token_lag']:.2f} (k=0) / {part[-1]['token_lag']:.2f} (k=1) versions, "
+                     f"of which the carried rows' prefill {part[0]['prefill_s']:.1f}s per step")
     return "\n".join(lines)
 

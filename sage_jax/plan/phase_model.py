@@ -65,6 +65,17 @@ def generation(cfg, prompts: int, prompt_len: int, lengths_N: np.ndarray, m: Mac
     if stage_dp is None:
         stage_dp = max(1, int(round(devices / tensor)))
     P = sampler.prompt_bucket(prompt_len)
+    rows_J, live_J = decode_batches(lengths_N, slots, stage_dp)
+    j = np.minimum(np.arange(1, len(rows_J) + 1), int(np.max(lengths_N)))  # a slot's position, at most its cache
+    prefill, step_J = _sampler_costs(cfg, prompts, P, rows_J, j, m, devices, tensor)
+    tail = live_J <= max(1, len(lengths_N) // 8)
+    return {"prefill_s": float(prefill), "decode_s": float(step_J.sum()), "tail_s": float(step_J[tail].sum())}
+
+
+def _sampler_costs(cfg, sequences: int, P: int, rows_J: np.ndarray, j_J: np.ndarray, m: Machine, devices: float,
+                   tensor: int, carried: int = 0) -> tuple[float, np.ndarray]:
+    """(prefill seconds of `sequences` sequences in the prompt bucket P plus `carried` generation positions, seconds
+    of each decode step computing rows_J rows at generation position j_J) of one sampler call."""
     D, V, w = cfg.hidden_size, cfg.vocab_size, _bytes(cfg.compute_dtype)
     per_layer, per_slot, kv = bench_flops.layer_params(cfg), bench_flops.attention_per_key(cfg), _kv_bytes_per_slot(cfg)
     # the weights are read in the compute dtype (sampler.generate casts them once: model.compute_params)
@@ -72,17 +83,87 @@ def generation(cfg, prompts: int, prompt_len: int, lengths_N: np.ndarray, m: Mac
     shards = max(1.0, devices / tensor)
     pw = _bytes(cfg.param_dtype)
     cast = cfg.num_params * (pw + w) / devices / m.bytes_per_s if pw > w else 0.0  # each device its shard
-    prefill_f = prompts * (P * (2 * per_layer + per_slot * P) + 2 * D * V)
+    W = P + carried
+    prefill_f = sequences * (W * (2 * per_layer + per_slot * W) + 2 * D * V)
     prefill = cast + _both(prefill_f / (m.flops_per_s * devices), weights / m.bytes_per_s, m)
-    rows_J, live_J = decode_batches(lengths_N, slots, stage_dp)
-    j = np.minimum(np.arange(1, len(rows_J) + 1), int(np.max(lengths_N)))  # a slot's position, at most its cache
-    flops_J = rows_J * (2 * per_layer + 2 * D * V + per_slot * (P + j))
+    flops_J = rows_J * (2 * per_layer + 2 * D * V + per_slot * (P + j_J))
     # per device: its share of the rows' cache and FLOPs, its tensor slice of the weights
     step_J = _both(flops_J / (m.flops_per_s * devices),
-                   (weights + rows_J / shards * (P + j) * kv / tensor) / m.bytes_per_s, m) \
+                   (weights + rows_J / shards * (P + j_J) * kv / tensor) / m.bytes_per_s, m) \
         + m.decode_step_s + m.decode_row_s * rows_J / shards
-    tail = live_J <= max(1, len(lengths_N) // 8)
-    return {"prefill_s": float(prefill), "decode_s": float(step_J.sum()), "tail_s": float(step_J[tail].sum())}
+    return float(prefill), step_J
+
+
+def partial_schedule(lengths: np.ndarray, batch_groups: int, G: int, oversample: float, max_lag: int, steps: int,
+                     prompt_len: int, stage_dp: int = 0) -> list[dict]:
+    """Partial rollouts (training/partial.py) simulated on the host, on-policy versions (k = 0): `lengths` is the
+    stream of completion lengths (G per prompt, in order). Per step: the call's sequences to prefill (fresh prompts,
+    and carried rows: prompt, then its tokens so far in the generation positions they had: P + the carried bucket
+    wide), the rows it computes at each decode step
+    (every row of the call while any is live, narrowing by the sampler's stages: decode_batches on what each row has
+    left), cut where the B-th group completes; the trained rows' lengths and the token lag (versions between drawing
+    a token and training it), the groups dropped."""
+    target = max(batch_groups, math.ceil(oversample * batch_groups))
+    groups: list[dict] = []  # {"start": step, "total": [G], "drawn": [G], "when": [G lists of (step, tokens)]}
+    cursor, out = 0, []
+    for t in range(steps):
+        dropped = [g for g in groups if t - g["start"] > max_lag]
+        groups = [g for g in groups if t - g["start"] <= max_lag]
+        done = lambda g: all(d >= n for d, n in zip(g["drawn"], g["total"]))
+        need = max(0, batch_groups - sum(done(g) for g in groups))
+        seq_lens, J, rows_J = [], 0, np.zeros(0, np.int64)
+        if need:
+            while len(groups) < target:
+                total = [int(n) for n in lengths[cursor * G:(cursor + 1) * G]]
+                groups.append({"start": t, "total": total, "drawn": [0] * G, "when": [[] for _ in range(G)]})
+                cursor += 1
+            running = [(g, i) for g in groups if not done(g) for i in range(G) if g["drawn"][i] < g["total"][i]]
+            left = np.array([g["total"][i] - g["drawn"][i] for g, i in running])
+            seq_lens = [g["drawn"][i] for g, i in running if g["drawn"][i]]  # carried tokens per carried row
+            fresh = sum(1 for g in groups if g["start"] == t)
+            seq_lens += [0] * fresh
+            # a row with r tokens left ends after r - 1 decode steps (its first comes from the prefill); a group
+            # completes when its slowest running row ends: the call stops at the need-th completion
+            ends = {}
+            for (g, i), r in zip(running, left):
+                ends[id(g)] = max(ends.get(id(g), 0), int(r) - 1)
+            J = sorted(ends.values())[need - 1]
+            rows_all, _ = decode_batches(left, None, stage_dp)
+            rows_J = rows_all[:J] if J else rows_all[:0]
+            for (g, i), r in zip(running, left):
+                took = int(min(r, J + 1))
+                g["drawn"][i] += took
+                g["when"][i].append((t, took))
+        ready = sorted((g for g in groups if done(g)), key=lambda g: g["start"])[:batch_groups]
+        groups = [g for g in groups if all(g is not r for r in ready)]
+        trained = [n for g in ready for n in g["total"]]
+        lag = [(t - s, k) for g in ready for w in g["when"] for s, k in w]
+        tokens = sum(k for _, k in lag)
+        longest = max(seq_lens, default=0)
+        out.append({"sequences": len(seq_lens), "P": sampler.prompt_bucket(prompt_len),
+                    "carried": sampler.prompt_bucket(longest) if longest else 0,
+                    "rows_J": rows_J, "trained": np.array(trained), "dropped": len(dropped),
+                    "carried_tokens": sum(seq_lens),
+                    "lag_mean": sum(a * k for a, k in lag) / tokens if tokens else 0.0})
+    return out
+
+
+def partial_generation(cfg, schedule: list[dict], m: Machine, devices: float = 1.0, tensor: int = 1,
+                       warmup: int = 0) -> dict[str, float]:
+    """Mean seconds per step of the calls of partial_schedule (after `warmup` steps): {"generate_s", "prefill_s",
+    "trained_tokens", "lag_mean", "dropped"}."""
+    steps = schedule[warmup:]
+    gen, pre = [], []
+    for s in steps:
+        j = np.arange(1, len(s["rows_J"]) + 1)
+        prefill, step_J = _sampler_costs(cfg, s["sequences"], s["P"], s["rows_J"], j, m, devices, tensor,
+                                         s["carried"]) if s["sequences"] else (0.0, np.zeros(0))
+        gen.append(prefill + float(step_J.sum()))
+        pre.append(prefill)
+    mean = lambda xs: float(np.mean(xs)) if len(xs) else 0.0
+    return {"generate_s": mean(gen), "prefill_s": mean(pre),
+            "trained_tokens": mean([float(s["trained"].sum()) for s in steps]),
+            "lag_mean": mean([s["lag_mean"] for s in steps]), "dropped": float(sum(s["dropped"] for s in steps))}
 
 
 def loss_layout(prompt_len: int, lengths_N: np.ndarray, packed: bool, slices: int = 1,
@@ -191,11 +272,15 @@ def predict_phases(cfg, prompts: int, prompt_len: int, lengths_N: Sequence[int],
 
 def placements(cfg, prompts: int, prompt_len: int, lengths_N: Sequence[int], m: Machine, chips: int, tensor: int,
                host_s: float, splits: Sequence[int], packed: bool = True, stages: bool = True,
-               max_new_tokens: int = 0) -> list[dict[str, float]]:
+               max_new_tokens: int = 0, partial: tuple[float, int, np.ndarray] | None = None,
+               group: int = 1) -> list[dict[str, float]]:
     """Step seconds of on-policy colocated, k = 1 colocated and k = 1 split (n chips sample, chips - n train) on a
     slice of `chips`; host_s: the host's work per step (rewards, tokenising), hidden only off-policy. The weight
     copy is counted at the link bandwidth across the cut (Machine.link_bytes_per_s) over the smaller side's chips.
-    stages: the decode pool shrinks in stages (sampling.schedule.decode_batches), dp = the sampling chips / tensor."""
+    stages: the decode pool shrinks in stages (sampling.schedule.decode_batches), dp = the sampling chips / tensor.
+    partial = (oversample, max_lag, a stream of lengths): also partial rollouts colocated at k = 0 and k = 1, in
+    the steady state of partial_schedule (its first 8 steps left out; group: samples per prompt); their tokens/s
+    count the tokens trained, and vs k=0 is the ratio of tokens/s."""
     lengths_N = np.asarray(lengths_N)
     P = sampler.prompt_bucket(prompt_len)
     rows = []
@@ -225,10 +310,27 @@ def placements(cfg, prompts: int, prompt_len: int, lengths_N: Sequence[int], m: 
         step = max(g, tr + sync, host_s)
         rows.append({"placement": "k=1 split", "n": n, "generate_s": g, "tail_s": tail, "train_s": tr,
                      "sync_s": sync, "host_s": host_s, "step_s": step})
-    base = rows[0]["step_s"]
     for r in rows:
         r["tokens_per_s"] = tokens / r["step_s"]
-        r["vs_on_policy"] = base / r["step_s"]
+    if partial is not None:
+        oversample, max_lag, stream = partial
+        dp = max(1, chips // tensor)
+        sched = partial_schedule(stream, prompts, group, oversample, max_lag, 24, prompt_len, dp if stages else 0)
+        g = partial_generation(cfg, sched, m, devices=chips, tensor=tensor, warmup=8)
+        steady = sched[8:]
+        tr = float(np.mean([training(cfg, P, s["trained"], m, devices=chips, packed=packed,
+                                     slices=dp if len(s["trained"]) % dp == 0 else 1,
+                                     max_new_tokens=max_new_tokens)["ref_s"] + training(
+            cfg, P, s["trained"], m, devices=chips, packed=packed, slices=dp if len(s["trained"]) % dp == 0 else 1,
+            max_new_tokens=max_new_tokens)["update_s"] for s in steady]))
+        trained_tokens = g["trained_tokens"] + len(lengths_N) * P
+        for name, step in (("partial k=0 colocated", g["generate_s"] + tr + host_s),
+                           ("partial k=1 colocated", max(g["generate_s"] + tr, host_s))):
+            rows.append({"placement": name, "n": chips, "generate_s": g["generate_s"], "tail_s": 0.0, "train_s": tr,
+                         "sync_s": 0.0, "host_s": host_s, "step_s": step, "tokens_per_s": trained_tokens / step,
+                         "token_lag": g["lag_mean"] + (name.startswith("partial k=1")), "prefill_s": g["prefill_s"]})
+    for r in rows:
+        r["vs_on_policy"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
     return rows
 
 

@@ -15,9 +15,9 @@ tokens equal one static batch's (S = all rows) for the same key, bit for bit.
 
 Rows need not start at their prompt's beginning (rows.py): row n continues prefilled sequence source_N[n] from
 generation position start_N[n], with its own key and id, so a row that left the pool (interrupted by
-stop_after_groups; later, a tool call) comes back with its tokens so far prefilled as part of its sequence, and goes
-on drawing the tokens it would have drawn uninterrupted. Its token j is written at P + j - start (its carried
-tokens are in the first P positions with its prompt) and fed at its uninterrupted RoPE position. With
+stop_after_groups; later, a tool call) comes back with its tokens so far prefilled after its prompt, into the
+generation positions [P, P + start) they had (the prefill is P + plan.carried wide), and goes on drawing the tokens
+it would have drawn uninterrupted: its token j is written at P + j and fed at its uninterrupted RoPE position. With
 plan.stop_early the loop also ends once `stop_groups` groups have all their rows done (rows.complete_groups); the
 rows still running are returned with what they have.
 """
@@ -54,6 +54,7 @@ class SamplerPlan:
     slots: int  # decode slots S (a multiple of data x fsdp): rows beyond S wait for a slot to free up
     stages: tuple[int, ...] | None = None  # the pool's widths (None: stage_widths(slots, data x fsdp, C))
     stop_early: bool = False  # the loop also ends once `stop_groups` groups are complete (generate's stop_after_groups)
+    carried: int = 0  # generation positions prefilled after the prompt bucket (resumed rows' tokens; rows.py)
 
 
 def constrain_cache(cache):
@@ -116,8 +117,9 @@ def stage_widths(slots: int, dp: int, new_tokens: int | None = None) -> tuple[in
 def _copy_prompts(cache: tuple, prompt_cache: tuple, slots_QxK: jax.Array, prompts_QxK: jax.Array,
                   count_Q: jax.Array) -> tuple:
     """In each of Q queue groups q (the cache's and the prompt caches' rows split in Q equal blocks), prompt
-    prompts_QxK[q, k]'s prefilled entries (every layer's) into the first P positions of slot slots_QxK[q, k], for
-    k < count_Q[q]; indices within the group. With Q = the data-parallel shards every copy stays on its device: XLA
+    prompts_QxK[q, k]'s prefilled entries (every layer's: its prompt bucket's P positions, then plan.carried
+    generation positions) into the first positions of slot slots_QxK[q, k], for k < count_Q[q]; indices within the
+    group. With Q = the data-parallel shards every copy stays on its device: XLA
     sees a copy batched over the sharded group axis, where a traced index into the whole prompt cache made XLA:CPU
     hold every prompt's cache on every device across the loop."""
     Q = slots_QxK.shape[0]
@@ -251,8 +253,8 @@ def _step(ctx: _Ctx, pool: _Pool, out: _Out) -> tuple[_Pool, _Out]:
     row_W = jnp.minimum(pool.row_S, N - 1)
     prompt_W, new_W = ctx.rows.source_N[row_W], pool.pos_S - ctx.rows.start_N[row_W]  # tokens since its prefill
     # An idle slot writes at position 0 and reads nothing else, so the attention bound (the furthest filled
-    # position over slots) only follows the live rows.
-    index_W = jnp.where(active_W, P + new_W - 1, 0)
+    # position over slots) only follows the live rows. A row's token j - 1 goes to P + j - 1 (carried ones too).
+    index_W = jnp.where(active_W, P + pool.pos_S - 1, 0)
     kv_mask_WxT = jnp.concatenate([ctx.mask_BxP[prompt_W], jnp.ones((W, C), jnp.bool_)], axis=1) & active_W[:, None]
     positions_Wx1 = (ctx.prompt_len_B[prompt_W] + new_W - 1)[:, None]
     # The weights pass a barrier with the step count, so XLA cannot hoist their all-gathers (and XLA:CPU its
@@ -311,13 +313,6 @@ def _gather_rows(x_B: jax.Array, source_N: jax.Array, Q: int) -> jax.Array:
     return jax.vmap(lambda x, i: x[i])(x_B.reshape(Q, B // Q, *x_B.shape[1:]), local_Qxn).reshape(N, *x_B.shape[1:])
 
 
-def _row_prompts(prompt_BxP: jax.Array, mask_BxP: jax.Array, rows: Rows, Q: int, pad_id: jax.Array):
-    """Each row's prompt, left-padded: its sequence without the start_N tokens it carried in."""
-    at_NxP = jnp.arange(prompt_BxP.shape[1], dtype=jnp.int32) - rows.start_N[:, None]
-    take = lambda x_BxP: jnp.take_along_axis(_gather_rows(x_BxP, rows.source_N, Q), jnp.maximum(at_NxP, 0), axis=1)
-    return jnp.where(at_NxP >= 0, take(prompt_BxP), pad_id), take(mask_BxP) & (at_NxP >= 0)
-
-
 @functools.partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("tokens_NxC", "logp_NxC"))
 def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt_BxP: jax.Array,
                      prompt_mask_BxP: jax.Array, tokens_NxC: jax.Array, logp_NxC: jax.Array, limit_N: jax.Array,
@@ -328,21 +323,26 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
     continues sequence rows.source_N[n] from its rows.start_N[n] tokens in tokens_NxC / logp_NxC; limit_N[n] = 0: a
     filler row). -> per row: tokens, log-probs, lengths, finished (EOS), done (EOS or limit), prompt tokens and mask;
     and the decode steps run."""
-    B, P = prompt_BxP.shape
+    B, P = prompt_BxP.shape[0], prompt_BxP.shape[1] - plan.carried  # the prompt bucket; then carried tokens
     N, C, S = limit_N.shape[0], plan.new_bucket, plan.slots
     if plan.unstack_layers:
         params = model_lib.unstack_layers(cfg, params)
     sample = functools.partial(sample_tokens, greedy=plan.greedy, temperature=temperature, top_k=plan.top_k,
                                top_p=top_p if plan.use_top_p else None, min_p=min_p if plan.use_min_p else None)
 
-    mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
+    mask_BxW = prompt_mask_BxP.astype(jnp.bool_)  # W = P + plan.carried
     bits = kv_cache.BITS if jnp.dtype(cfg.compute_dtype).itemsize == 2 else None  # the caches as bits: never
-    h_BxPxD, prompt_cache = model_lib.prefill(cfg, params, prompt_BxP, mask_BxP, bits)  # converted whole (BITS)
+    h_BxWxD, prompt_cache = model_lib.prefill(cfg, params, prompt_BxP, mask_BxW, bits)  # converted whole (BITS)
     prompt_cache = constrain_cache(prompt_cache)
     dp = plan.mesh.shape["data"] * plan.mesh.shape["fsdp"] if plan.mesh is not None else 1
     Q = queue_groups(N, B, S, dp)
-    logits_NxV = _gather_rows(model_lib.logits_from_hidden(cfg, params, h_BxPxD[:, -1:])[:, 0], rows.source_N, Q)
-    ctx = _Ctx(cfg, params, sample, rows, mask_BxP, jnp.sum(mask_BxP, axis=-1, dtype=jnp.int32), limit_N,
+    if plan.carried:  # each sequence's last real position: its prompt's, or its last carried token's
+        last_B = P - 1 + jnp.sum(mask_BxW[:, P:], axis=-1, dtype=jnp.int32)
+        h_Bx1xD = jnp.take_along_axis(h_BxWxD, last_B[:, None, None], axis=1)
+    else:
+        h_Bx1xD = h_BxWxD[:, -1:]
+    logits_NxV = _gather_rows(model_lib.logits_from_hidden(cfg, params, h_Bx1xD)[:, 0], rows.source_N, Q)
+    ctx = _Ctx(cfg, params, sample, rows, mask_BxW[:, :P], jnp.sum(mask_BxW, axis=-1, dtype=jnp.int32), limit_N,
                limit_N > 0, pad_id, eos_E, C, dp, stop_groups if plan.stop_early else None)
 
     # Every row's next token (its first, or the one after those it carried in) comes from its sequence's prefill
@@ -359,7 +359,8 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
     widths = plan.stages if plan.stages is not None else stage_widths(S, dp, C)
     pool, out = _decode(ctx, pool, out, prompt_cache, widths)
     return (out.tokens_NxC, out.logp_NxC, out.lengths_N, out.finished_N, _done(ctx, out) & ctx.valid_N,
-            *_row_prompts(prompt_BxP, mask_BxP, rows, Q, pad_id), pool.steps)
+            _gather_rows(prompt_BxP[:, :P], rows.source_N, Q), _gather_rows(mask_BxW[:, :P], rows.source_N, Q),
+            pool.steps)
 
 
 def auto_slots(cfg: ModelConfig, rows: int, prompts: int, cache_len: int, prompt_len: int, mesh: Mesh | None,

@@ -2,13 +2,16 @@
 and id it draws with -- the bookkeeping behind "a row leaves the pool and comes back with its tokens so far"
 (sampler.generate's stop_after_groups and resume).
 
-Row n of the program (decode_pool.generate_program) continues the prefilled sequence source_N[n] (left-padded in the
-prompt bucket P) from generation position start_N[n]: its token j (j >= start) is drawn with
-fold_in(fold_in(key_N[n], j), id_N[n]) (row_keys), fed back at RoPE position len(sequence) - start + j, and written
-at cache position P + j - start. A fresh row (sample g of prompt b, in a call with key k) continues prompt b from 0
-with key k and id b * G + g. A row that comes back (Resumed) brings its prompt, the tokens and behaviour log-probs it
-has so far, and its original call's key and row id: prompt + tokens are prefilled as one longer sequence and it goes
-on at start = len(tokens), each later token drawn with the key and at the position it would have had uninterrupted.
+Row n of the program (decode_pool.generate_program) continues the prefilled sequence source_N[n] -- a prompt
+left-padded in the prompt bucket P, then the tokens its row carries in, if any -- from generation position
+start_N[n]: its token j (j >= start) is drawn with fold_in(fold_in(key_N[n], j), id_N[n]) (row_keys), fed back at
+RoPE position len(prompt) + j, and written at cache position P + j, as uninterrupted. A fresh row (sample g of prompt
+b, in a call with key k) continues prompt b from 0 with key k and id b * G + g. A row that comes back (Resumed) brings
+its prompt, the tokens and behaviour log-probs it has so far, and its original call's key and row id: its prompt is
+prefilled into the prompt bucket and its tokens into generation positions [0, start) of its cache (start =
+len(tokens)), and it goes on at start, each later token drawn with the key and at the position it would have had
+uninterrupted. The prompt bucket is the prompts' (not prompt + tokens): the cache, and what each decode step's
+attention reads, are those of the uninterrupted call.
 Its carried log-probs are returned as given (those of the policy that drew them); the new ones are the running
 call's (the cache of its carried tokens is recomputed with the call's params). A multi-turn row -- leave the pool at
 a tool call, append the tool's answer, come back -- will take this same path.
@@ -56,7 +59,8 @@ class Rows(NamedTuple):
 
 class Layout(NamedTuple):
     """sampler.generate's rows on the host (numpy): the sequences to prefill and the per-row inputs."""
-    sequences: list  # token lists, prefilled each once (left-padded to the prompt bucket by the caller)
+    sequences: list  # prompts (token lists), prefilled each once (left-padded to the prompt bucket by the caller)
+    carried: list  # per sequence, the tokens a resumed row carries in (prefilled after its prompt); [] for a prompt
     tokens_NxC: np.ndarray  # int32: each row's tokens so far, pad after
     logp_NxC: np.ndarray  # float32: their behaviour log-probs, 0 after
     limit_N: np.ndarray  # int32: each row's budget (0: a filler row)
@@ -107,7 +111,7 @@ def _shard_sequences(wanted: list, N: int, dp: int) -> tuple[list, np.ndarray]:
     block of sequences (blocks padded to one size with the block's first): -> (sequence names, source per row)."""
     n = N // dp
     blocks = [list(dict.fromkeys(wanted[q * n:(q + 1) * n])) or [wanted[0]] for q in range(dp)]
-    width = max(map(len, blocks))
+    width = 1 << (max(map(len, blocks)) - 1).bit_length()  # a power of two: fewer distinct programs across calls
     names, source_N = [], np.zeros(N, np.int32)
     for q, block in enumerate(blocks):
         local = {name: i for i, name in enumerate(block)}
@@ -133,8 +137,10 @@ def _keys(seeds: list, key: jax.Array) -> np.ndarray:
 
 
 def layout(prompts: list, G: int, limits: list, resumed: Sequence[Resumed], max_new_tokens: int, C: int, dp: int,
-           pad_id: int, key: jax.Array) -> Layout:
-    """The rows of one generate call (see the module docstring): fresh rows, resumed rows, filler rows."""
+           pad_id: int, key: jax.Array, min_rows: int = 0) -> Layout:
+    """The rows of one generate call (see the module docstring): fresh rows, resumed rows, filler rows (with resumed
+    rows, at least min_rows rows in all, and the sequences of each shard a power of two: calls whose mix of fresh and
+    carried rows differs then share their programs)."""
     B, R = len(prompts), len(resumed)
     if not R:
         padded = B
@@ -142,11 +148,12 @@ def layout(prompts: list, G: int, limits: list, resumed: Sequence[Resumed], max_
             padded += 1
         N = padded * G
         sequences, source_N = prompts + [prompts[0]] * (padded - B), np.arange(N, dtype=np.int32) // G
+        carried = [[] for _ in sequences]
     else:
-        N = -(-(B * G + R) // dp) * dp
+        N = -(-max(B * G + R, min_rows) // dp) * dp
         names, source_N = _shard_sequences([("p", n // G) for n in range(B * G)] + [("r", i) for i in range(R)], N, dp)
-        sequences = [prompts[i] if kind == "p" else [*map(int, resumed[i].prompt), *map(int, resumed[i].tokens)]
-                     for kind, i in names]
+        sequences = [prompts[i] if kind == "p" else [*map(int, resumed[i].prompt)] for kind, i in names]
+        carried = [[] if kind == "p" else [*map(int, resumed[i].tokens)] for kind, i in names]
     tokens_NxC, logp_NxC = np.full((N, C), pad_id, np.int32), np.zeros((N, C), np.float32)
     limit_N, start_N, group_N = np.zeros(N, np.int32), np.zeros(N, np.int32), np.full(N, N, np.int32)
     id_N = np.arange(N, dtype=np.int32)
@@ -159,7 +166,7 @@ def layout(prompts: list, G: int, limits: list, resumed: Sequence[Resumed], max_
         group_N[n] = B + labels.setdefault(("row", i) if r.group is None else ("label", r.group), len(labels))
     seeds = [None] * (B * G) + [r.key for r in resumed] + [None] * (N - B * G - R)
     rows = Rows(source_N, start_N, id_N, group_N, _keys(seeds, key))
-    return Layout(sequences, tokens_NxC, logp_NxC, limit_N, rows, B * G + R, B + len(labels))
+    return Layout(sequences, carried, tokens_NxC, logp_NxC, limit_N, rows, B * G + R, B + len(labels))
 
 
 def interrupted(out, prompts: Sequence[Sequence[int]], seed, num_samples: int = 1,

@@ -19,9 +19,9 @@ whenever, so no two rows or steps share one and the tokens do not depend on `slo
 
 Rows leave the pool and come back (rows.py): stop_after_groups=k returns once k groups are complete, the rows still
 running with their tokens so far (done=False); resume=[rows.Resumed, ...] brings such rows back into a later call,
-beside its fresh prompts: prompt + tokens so far are prefilled, and each goes on with its first call's key and row
-id at the positions it would have had, so with unchanged weights it draws the tokens it would have drawn (up to
-float rounding in its prefilled cache; rows.py). A multi-turn row (a tool call) is to come back the same way.
+beside its fresh prompts: its prompt is prefilled into the prompt bucket and its tokens so far into the generation
+positions they had, and it goes on with its first call's key and row id at the positions it would have had, so with
+unchanged weights it draws the tokens it would have drawn (up to float rounding in its prefilled cache; rows.py). A multi-turn row (a tool call) is to come back the same way.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from sage_jax.models import decoder as model_lib
 from sage_jax.models import sharding as sharding_lib
 # re-exported: sampler.generate_program / SamplerPlan / constrain_cache are what sage_jax.plan lowers
-from sage_jax.sampling.decode_pool import SamplerPlan, auto_slots, constrain_cache, generate_program
+from sage_jax.sampling.decode_pool import SamplerPlan, auto_slots, constrain_cache, generate_program, stage_widths
 from sage_jax.sampling import rows as rows_lib
 from sage_jax.sampling.rows import Resumed, interrupted, row_keys  # noqa: F401  (public: generate's resume)
 from sage_jax.models.decoder import ModelConfig, Params
@@ -98,12 +98,18 @@ def _slot_count(slots, cfg: ModelConfig, rows: int, prompts: int, P: int, C: int
     return -(-(rows if slots in (None, "all") else int(slots)) // dp) * dp
 
 
-def _left_pad(sequences: Sequence[Sequence[int]], width: int, pad_id: int):
-    tokens = np.full((len(sequences), width), pad_id, np.int32)
-    mask = np.zeros((len(sequences), width), np.bool_)
+def _left_pad(sequences: Sequence[Sequence[int]], width: int, pad_id: int, carried: Sequence[Sequence[int]] = (),
+              carried_width: int = 0):
+    """[B, width + carried_width] tokens and mask: each prompt left-padded in the first `width`, then the tokens its
+    row carries in (right-padded)."""
+    tokens = np.full((len(sequences), width + carried_width), pad_id, np.int32)
+    mask = np.zeros((len(sequences), width + carried_width), np.bool_)
     for b, p in enumerate(sequences):
-        tokens[b, width - len(p):] = p
-        mask[b, width - len(p):] = True
+        tokens[b, width - len(p):width] = p
+        mask[b, width - len(p):width] = True
+    for b, c in enumerate(carried):
+        tokens[b, width:width + len(c)] = c
+        mask[b, width:width + len(c)] = True
     return tokens, mask
 
 
@@ -142,7 +148,8 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
              eos_ids: Sequence[int] | None = None, seed: int | jax.Array = 0, num_samples: int = 1,
              pad_id: int | None = None, mesh: Mesh | None = None, unstack_layers: bool | None = None,
              row_max_new_tokens: Sequence[int] | None = None, slots: int | str | None = None,
-             stop_after_groups: int | None = None, resume: Sequence[Resumed] = ()) -> SampleOutput:
+             stop_after_groups: int | None = None, resume: Sequence[Resumed] = (), min_rows: int = 0
+             ) -> SampleOutput:
     """Sample `num_samples` completions of up to `max_new_tokens` for each prompt (lists of token ids).
 
     temperature 0 is greedy. eos_ids defaults to cfg.eos_token_ids, pad_id to cfg.pad_token_id; seed may be an int
@@ -161,7 +168,9 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     rows.py). stop_after_groups=k (default None: run until every row stops) ends the decode loop once k groups are
     complete -- every row of theirs in the call stopped (EOS or its budget); a fresh prompt's G rows are a group, and
     resumed rows group by Resumed.group -- and returns the rows still running as they are, done=False
-    (rows.interrupted makes them Resumed rows for a later call).
+    (rows.interrupted makes them Resumed rows for a later call). min_rows: with resumed rows, pad the call to at least
+    this many rows (filler rows, done from the start), so calls whose mix of fresh and carried rows differs share
+    one program (the partial-rollout trainer passes its pool's size).
     """
     prompts = [[int(t) for t in p] for p in prompts]
     pad_id = cfg.pad_token_id if pad_id is None else int(pad_id)
@@ -172,9 +181,12 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     dp = _data_parallel(mesh)
     C = new_tokens_bucket(max_new_tokens)
     key = rows_lib.as_key(seed)
-    rows = rows_lib.layout(prompts, num_samples, limits, resume, max_new_tokens, C, dp, pad_id, key)
+    rows = rows_lib.layout(prompts, num_samples, limits, resume, max_new_tokens, C, dp, pad_id, key, min_rows)
     B, N = len(rows.sequences), len(rows.limit_N)
     P = prompt_bucket(max(len(p) for p in rows.sequences))
+    longest_carried = max(map(len, rows.carried))
+    # generation positions prefilled for the carried tokens: C / 8, C / 2 or C (few programs across calls)
+    Cc = next(w for w in (max(16, C // 8), max(16, C // 2), C) if w >= longest_carried) if longest_carried else 0
     if mesh is not None and _mesh_of(params) != mesh:
         params = model_lib.shard_params(params, mesh, cfg=cfg)
     params = model_lib.compute_params(cfg, params)  # read at every decode step: once in the compute dtype
@@ -183,9 +195,12 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     plan = SamplerPlan(num_samples=num_samples, new_bucket=C, greedy=greedy,
                        top_k=0 if greedy or top_k >= cfg.vocab_size else top_k, use_top_p=not greedy and top_p < 1,
                        use_min_p=not greedy and min_p > 0, mesh=mesh, slots=S, stop_early=stop_after_groups is not None,
+                       carried=Cc,
+                       # a call that stops at its groups ends before the long tail the fine widths are for: halves
+                       stages=stage_widths(S, dp, 0) if stop_after_groups is not None else None,
                        unstack_layers=jax.default_backend() == "cpu" if unstack_layers is None else bool(unstack_layers))
     per_row = (rows.tokens_NxC, rows.logp_NxC, rows.limit_N, rows.rows)  # host arrays, the keys as their raw data
-    sequences = _left_pad(rows.sequences, P, pad_id)
+    sequences = _left_pad(rows.sequences, P, pad_id, rows.carried, Cc)
     if mesh is not None:  # every process passes the same host arrays: device_put takes them onto a mesh of several
         put = lambda x: jax.device_put(x, sharding_lib.data_sharding(mesh, x.ndim) if x.shape[0] % dp == 0
                                        else NamedSharding(mesh, PartitionSpec()))

@@ -213,6 +213,11 @@ class Carry:
         return sum(not r.done for g in self.groups.values() for r in g.rows)
 
 
+def pool_rows(batch_groups: int, G: int, oversample: float) -> int:
+    """The most rows a call can hold (every group in flight, each with all G rows running): its padded size."""
+    return max(batch_groups, math.ceil(oversample * batch_groups)) * G
+
+
 def _row_order(group: Group, G: int) -> list[Row]:
     return sorted(group.rows, key=lambda r: r.row_id % G)
 
@@ -301,7 +306,8 @@ def collect_phases(task, cfg, config, pool, carry: Carry, params, rl_step: int, 
                                temperature=ro_cfg.temperature, top_p=ro_cfg.top_p, top_k=ro_cfg.top_k,
                                min_p=ro_cfg.min_p, eos_ids=cfg.eos_token_ids, seed=key, num_samples=G,
                                pad_id=cfg.pad_token_id, slots=getattr(ro_cfg, "slots", None),
-                               row_max_new_tokens=limits, stop_after_groups=stop_after_groups, resume=resume)
+                               row_max_new_tokens=limits, stop_after_groups=stop_after_groups, resume=resume,
+                               min_rows=pool_rows(B, G, ro_cfg.oversample))
         return sharding.gather(out)
 
     groups, dropped, drawn, gen_s = yield from sample_partial(

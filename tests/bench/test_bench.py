@@ -276,3 +276,14 @@ def test_schedule_ceiling_prices_each_step_at_its_live_rows(monkeypatch):
     assert np.isclose(sc["ideal_s"], sum(step(max(1, r), j) for j, r in enumerate(live_J, 1)) * 1e-3, rtol=0.01)
     assert np.isclose(sc["pool_s"], sum(step(r, j) for j, r in enumerate(rows_J, 1)) * 1e-3, rtol=0.01)
     assert sc["pool_s"] >= sc["ideal_s"]
+
+
+def test_rl_step_steady_runs_on_policy_and_partial_rollouts_side_by_side():
+    rows = rl_step.bench_rl_steady("tiny", prompts=2, group=2, prompt_len=8, new_tokens=16, steps=2, trl_steps=0,
+                                   oversample=(1.5,), warmup=1)
+    by = {r["impl"]: r for r in rows}
+    assert set(by) == {"sage_jax", "sage_jax_partial_1.5"}
+    on, part = by["sage_jax"], by["sage_jax_partial_1.5"]
+    assert on["gen_vs_on_policy"] == 1.0 and on["carried_rows"] == 0 and on["token_lag"] == 0
+    assert part["gen_tokens_per_s"] > 0 and part["trained_tokens_per_s"] > 0 and part["steps"] == 2
+    assert part["prefill_carry_s"] >= 0 and 0 <= part["reprefill_frac"]

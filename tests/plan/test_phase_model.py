@@ -89,3 +89,30 @@ def test_shaped_rates_measure_every_kind_the_model_prices():
     rates = plan_phases.shaped_rates(cfg, rows=64, logit_rows=32, attn_rows=2, attn_len=16, repeats=1)
     kinds = ("dense", "attention", "unembed", "pointwise")
     assert all(rates[k] > 0 and rates[f"{k}_update"] > 0 for k in kinds), rates
+
+
+def test_partial_schedule_trains_whole_groups_and_keeps_its_books():
+    """Every step trains B groups (each of G rows, whole lengths), groups come in once and leave once (trained,
+    dropped or still in flight), and no trained token is older than max_lag; on long tails a call stops before its
+    longest row (fewer decode steps than the longest completion)."""
+    B, G, new = 8, 4, 256
+    stream = np.concatenate([workloads.longtail_lengths(B * G, new, seed=c) for c in range(30)])
+    sched = phase_model.partial_schedule(stream, B, G, 1.5, 2, 12, 32)
+    assert all(len(s["trained"]) == B * G for s in sched)
+    trained = np.concatenate([s["trained"] for s in sched])
+    assert trained.sum() <= stream[:len(trained) + 12 * G * B].sum()
+    assert all(s["lag_mean"] <= 2 for s in sched)
+    assert max(len(s["rows_J"]) for s in sched[4:]) < new - 1
+    assert any(s["carried"] for s in sched)
+
+
+def test_partial_rollouts_priced_next_to_the_on_policy_step():
+    cfg, m = model.preset("small"), phase_model.Machine(flops_per_s=1e12, bytes_per_s=1e11)
+    lengths = workloads.longtail_lengths(64, 512)
+    stream = np.concatenate([workloads.longtail_lengths(64, 512, seed=c) for c in range(40)])
+    rows = phase_model.placements(cfg, 8, 32, lengths, m, 1, 1, 0.0, [], partial=(1.5, 4, stream), group=8)
+    names = [r["placement"] for r in rows]
+    assert names == ["on-policy colocated", "k=1 colocated", "partial k=0 colocated", "partial k=1 colocated"]
+    part = rows[2]
+    assert part["tail_s"] == 0.0 and part["prefill_s"] > 0 and 0 < part["token_lag"] <= 4
+    assert rows[0]["vs_on_policy"] == 1.0 and part["vs_on_policy"] > 0

@@ -42,6 +42,7 @@ def test_layout_keeps_each_shards_rows_on_its_own_sequences():
     key = jax.random.key(0)
     plain = rows.layout(PROMPTS[:3], 3, [4] * 9, (), 4, 32, 4, 0, key)  # no resumed rows: the prompts as before
     assert plain.sequences == PROMPTS[:3] + [PROMPTS[0]] and plain.real_rows == 9 and plain.groups == 3
+    assert plain.carried == [[]] * 4
     np.testing.assert_array_equal(plain.rows.source_N, np.arange(12) // 3)
     np.testing.assert_array_equal(plain.limit_N, [4] * 9 + [0] * 3)  # filler rows: budget 0, done from the start
     back = [rows.Resumed([7, 8], [9, 10, 11], [-1.0, -2.0, -3.0], 5, 17, 8, "a"),
@@ -50,10 +51,11 @@ def test_layout_keeps_each_shards_rows_on_its_own_sequences():
     N, B = len(mixed.limit_N), len(mixed.sequences)
     assert (N, mixed.real_rows, mixed.groups) == (12, 12, 5) and B % 4 == 0
     assert decode_pool.queue_groups(N, B, 8, 4) == 4
-    wanted = [PROMPTS[n // 3] for n in range(9)] + [[7, 8, 9, 10, 11], [7, 12], [3]]
+    wanted = [(PROMPTS[n // 3], []) for n in range(9)] + [([7, 8], [9, 10, 11]), ([7], [12]), ([3], [])]
     for n in range(12):  # each shard's rows continue sequences of its own block
         assert mixed.rows.source_N[n] // (B // 4) == n // (N // 4)
-        assert mixed.sequences[mixed.rows.source_N[n]] == wanted[n]
+        source = mixed.rows.source_N[n]
+        assert (mixed.sequences[source], mixed.carried[source]) == wanted[n]
     np.testing.assert_array_equal(mixed.rows.start_N[9:], [3, 1, 0])
     np.testing.assert_array_equal(mixed.rows.id_N[9:], [17, 2, 4])
     np.testing.assert_array_equal(mixed.rows.group_N, [0] * 3 + [1] * 3 + [2] * 3 + [3, 3, 4])
