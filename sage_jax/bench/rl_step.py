@@ -246,11 +246,12 @@ def steady_collect(cfg: model.ModelConfig, prompts: np.ndarray, group: int, leng
     carry = partial.Carry()
 
     min_rows = 0 if partial_cfg is None else partial.pool_rows(batch_prompts, group, partial_cfg[0])
+    slots = None if partial_cfg is None else partial.pool_slots(None, batch_prompts, group)
 
     def generate(params, key, prompts_b, resume, stop, limits):
         return sampler.generate(cfg, params, prompts_b, new_tokens, temperature=1.0, eos_ids=(), seed=key,
                                 num_samples=group, row_max_new_tokens=limits, stop_after_groups=stop, resume=resume,
-                                min_rows=min_rows)
+                                min_rows=min_rows, slots=slots)
 
     def collect(params, step: int):
         key = jax.random.key(seed + step)
@@ -341,6 +342,7 @@ def bench_rl_steady(preset: str = "small", dtype: str = "fp32", prompts: int = 8
                                                 0.05, trl_steps + 1, between, ids_reward, EOS_ID, seed, [])
     while done[0] < total:
         between()
+    ceiling = _full_width_s_per_token(ours["sage_jax"], prompt_stream[:B].tolist(), group, new_tokens // 4, seed)
     out = []
     for name, rs in runs.items():
         rs = rs[warmup:]  # the warm-up steps (compilation) left out
@@ -357,6 +359,10 @@ def bench_rl_steady(preset: str = "small", dtype: str = "fp32", prompts: int = 8
         part["prefill_carry_s"] = _prefill_seconds(ours[part["impl"]], collects[part["impl"]].carry, group,
                                                    new_tokens, seed)
         part["prefill_share"] = part["prefill_carry_s"] / part["gen_s"] if part["gen_s"] else float("nan")
+    # the generation ceiling: every decode step at the full width with every row live (a static batch of the step's
+    # rows, all of one length), per token; no schedule of the same rows decodes faster per token
+    out[0]["full_width_tokens_per_s"] = 1.0 / ceiling
+    out[0]["gen_ceiling_vs_on_policy"] = (1.0 / ceiling) / out[0]["gen_tokens_per_s"]
     for r in out:
         r["gen_vs_on_policy"] = r["gen_tokens_per_s"] / out[0]["gen_tokens_per_s"]
         r["trained_vs_on_policy"] = r["trained_tokens_per_s"] / out[0]["trained_tokens_per_s"]
@@ -372,13 +378,30 @@ def bench_rl_steady(preset: str = "small", dtype: str = "fp32", prompts: int = 8
                       ("gen_tokens_per_s", ".1f"), ("trained_tokens_per_s", ".1f"), ("gen_vs_on_policy", ".2f"),
                       ("trained_vs_on_policy", ".2f"), ("trained_vs_trl", ".2f"), ("carried_rows", ".1f"),
                       ("token_lag", ".2f"), ("dropped_groups", ".0f"), ("reprefill_frac", ".3f"),
-                      ("prefill_share", ".3f"), ("compiled", ".0f")])
+                      ("prefill_share", ".3f"), ("compiled", ".0f"), ("full_width_tokens_per_s", ".1f"),
+                      ("gen_ceiling_vs_on_policy", ".2f")])
     print(f"{preset} preset, {B} prompts x {group} samples per step, {workload} lengths up to {new_tokens}; partial: "
           f"oversample {', '.join(f'{o:g}' for o in oversample)}, max_lag {max_lag}; medians / sums over {steps} steps after {warmup} warm-up "
-          f"steps; "
+          f"steps; full_width: a static batch of the step's rows all {new_tokens // 4} tokens long (every step at "
+          f"the full width, every row live), the generation ceiling; "
           f"prefill_share: the carried rows' prefill alone (timed after the run) over a partial step's sampling; "
           f"1-min load average {load_before:.1f} before, {common.load_average():.1f} after ({os.cpu_count()} cores)")
     return out
+
+
+def _full_width_s_per_token(runner, prompts: list, group: int, length: int, seed: int) -> float:
+    """Seconds per generated token of a static batch of the step's rows, every row `length` tokens (no tail: every
+    decode step computes only live rows), the median of 3 after a warm-up, with the on-policy runner's weights."""
+    ctx, box, mesh, _ = runner
+    params = ctx.policy(box["state"]["params"])
+    times = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        with jax.set_mesh(mesh):
+            jax.block_until_ready(sampler.generate(ctx.cfg, params, prompts, length, temperature=1.0, eos_ids=(),
+                                                   seed=seed, num_samples=group))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) / (len(prompts) * group * length)
 
 
 def _prefill_seconds(runner, carry, group: int, new_tokens: int, seed: int) -> float:

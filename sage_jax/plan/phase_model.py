@@ -95,15 +95,16 @@ def _sampler_costs(cfg, sequences: int, P: int, rows_J: np.ndarray, j_J: np.ndar
 
 
 def partial_schedule(lengths: np.ndarray, batch_groups: int, G: int, oversample: float, max_lag: int, steps: int,
-                     prompt_len: int, stage_dp: int = 0) -> list[dict]:
+                     prompt_len: int, stage_dp: int = 0, slots: int | None = None) -> list[dict]:
     """Partial rollouts (training/partial.py) simulated on the host, on-policy versions (k = 0): `lengths` is the
     stream of completion lengths (G per prompt, in order). Per step: the call's sequences to prefill (fresh prompts,
     and carried rows: prompt, then its tokens so far in the generation positions they had: P + the carried bucket
     wide), the rows it computes at each decode step
-    (every row of the call while any is live, narrowing by the sampler's stages: decode_batches on what each row has
-    left), cut where the B-th group completes; the trained rows' lengths and the token lag (versions between drawing
+    (B x G slots, carried rows first and the rest queued, narrowing by the sampler's stages once the queue is empty:
+    decode_batches on what each row has left), cut where the B-th group completes; the trained rows' lengths and the token lag (versions between drawing
     a token and training it), the groups dropped."""
     target = max(batch_groups, math.ceil(oversample * batch_groups))
+    slots = slots or batch_groups * G
     groups: list[dict] = []  # {"start": step, "total": [G], "drawn": [G], "when": [G lists of (step, tokens)]}
     cursor, out = 0, []
     for t in range(steps):
@@ -117,23 +118,32 @@ def partial_schedule(lengths: np.ndarray, batch_groups: int, G: int, oversample:
                 total = [int(n) for n in lengths[cursor * G:(cursor + 1) * G]]
                 groups.append({"start": t, "total": total, "drawn": [0] * G, "when": [[] for _ in range(G)]})
                 cursor += 1
+            # the call's rows in the sampler's order: carried rows first (oldest groups first), then fresh ones
             running = [(g, i) for g in groups if not done(g) for i in range(G) if g["drawn"][i] < g["total"][i]]
+            running.sort(key=lambda gi: gi[0]["start"] == t)
             left = np.array([g["total"][i] - g["drawn"][i] for g, i in running])
             seq_lens = [g["drawn"][i] for g, i in running if g["drawn"][i]]  # carried tokens per carried row
             fresh = sum(1 for g in groups if g["start"] == t)
             seq_lens += [0] * fresh
-            # a row with r tokens left ends after r - 1 decode steps (its first comes from the prefill); a group
-            # completes when its slowest running row ends: the call stops at the need-th completion
+            # B x G slots (training/partial.pool_slots), the others queued: a row that starts at step s with r
+            # tokens left ends at s + r - 1 (its first token comes from the prefill); a group completes when its
+            # last row ends, and the call stops at the need-th completion
+            free, start = np.zeros(min(slots, len(left)), np.int64), []
+            for r in left:
+                k = int(np.argmin(free))
+                start.append(int(free[k]))
+                free[k] += int(r)
             ends = {}
-            for (g, i), r in zip(running, left):
-                ends[id(g)] = max(ends.get(id(g), 0), int(r) - 1)
+            for (g, i), r, s0 in zip(running, left, start):
+                ends[id(g)] = max(ends.get(id(g), 0), s0 + int(r) - 1)
             J = sorted(ends.values())[need - 1]
-            rows_all, _ = decode_batches(left, None, stage_dp)
+            rows_all, _ = decode_batches(left, slots, stage_dp)
             rows_J = rows_all[:J] if J else rows_all[:0]
-            for (g, i), r in zip(running, left):
-                took = int(min(r, J + 1))
+            for (g, i), r, s0 in zip(running, left, start):
+                took = int(min(r, max(0, J - s0 + 1)))
                 g["drawn"][i] += took
-                g["when"][i].append((t, took))
+                if took:
+                    g["when"][i].append((t, took))
         ready = sorted((g for g in groups if done(g)), key=lambda g: g["start"])[:batch_groups]
         groups = [g for g in groups if all(g is not r for r in ready)]
         trained = [n for g in ready for n in g["total"]]

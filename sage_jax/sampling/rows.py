@@ -20,8 +20,9 @@ Groups: row n belongs to group group_N[n] (fresh rows: their prompt's; resumed r
 labels forming one group, None a group of its own); with stop_after_groups = k the loop ends once k groups have every
 row of theirs in the call done (complete_groups), and the rows still running come back as they are (done False).
 
-Layout (host side, `layout`): fresh rows first (prompt-major), then resumed rows in the order given, then filler rows
-(limit 0: done from the start) up to a multiple of data x fsdp. With no resumed rows the sequences are the prompts,
+Layout (host side, `layout`): the program's rows are the resumed rows in the order given, then the fresh rows
+(prompt-major), then filler rows (limit 0: done from the start) up to a multiple of data x fsdp (or min_rows), so
+with fewer slots than rows the resumed rows take the slots first; generate returns the fresh rows first (`output`). With no resumed rows the sequences are the prompts,
 padded as before (prompt-major rows: each shard's rows continue its own block of prompts when the prompts split
 evenly). With resumed rows each data-parallel shard's rows continue only sequences of that shard's block (a prompt
 whose G rows straddle two shards is prefilled in both, and the blocks are padded to one size), so each shard keeps
@@ -67,6 +68,7 @@ class Layout(NamedTuple):
     rows: Rows  # numpy arrays; key_N as key data [N, ...] (uint32)
     real_rows: int  # the rows returned: fresh rows, then resumed rows
     groups: int
+    output: np.ndarray  # int32 [real_rows]: the program row of each returned row (resumed rows run first)
 
 
 def row_keys(key: jax.Array, steps_B: jax.Array, rows_B: jax.Array) -> jax.Array:
@@ -149,24 +151,26 @@ def layout(prompts: list, G: int, limits: list, resumed: Sequence[Resumed], max_
         N = padded * G
         sequences, source_N = prompts + [prompts[0]] * (padded - B), np.arange(N, dtype=np.int32) // G
         carried = [[] for _ in sequences]
-    else:
+    else:  # resumed rows first: they take the slots before the fresh rows (a row that waits, waits as a fresh one)
         N = -(-max(B * G + R, min_rows) // dp) * dp
-        names, source_N = _shard_sequences([("p", n // G) for n in range(B * G)] + [("r", i) for i in range(R)], N, dp)
+        names, source_N = _shard_sequences([("r", i) for i in range(R)] + [("p", n // G) for n in range(B * G)], N, dp)
         sequences = [prompts[i] if kind == "p" else [*map(int, resumed[i].prompt)] for kind, i in names]
         carried = [[] if kind == "p" else [*map(int, resumed[i].tokens)] for kind, i in names]
     tokens_NxC, logp_NxC = np.full((N, C), pad_id, np.int32), np.zeros((N, C), np.float32)
     limit_N, start_N, group_N = np.zeros(N, np.int32), np.zeros(N, np.int32), np.full(N, N, np.int32)
     id_N = np.arange(N, dtype=np.int32)
-    limit_N[:B * G], group_N[:B * G] = limits, np.arange(B * G) // G
+    fresh = slice(R, R + B * G)  # the fresh rows' program rows (their ids: b * G + g)
+    limit_N[fresh], group_N[fresh], id_N[fresh] = limits, np.arange(B * G) // G, np.arange(B * G)
     labels: dict = {}
-    for i, r in enumerate(resumed):
-        n, j0 = B * G + i, len(r.tokens)
+    for n, r in enumerate(resumed):
+        j0 = len(r.tokens)
         tokens_NxC[n, :j0], logp_NxC[n, :j0], start_N[n], id_N[n] = r.tokens, r.logprobs, j0, int(r.row_id)
         limit_N[n] = max_new_tokens if r.max_new_tokens is None else int(r.max_new_tokens)
-        group_N[n] = B + labels.setdefault(("row", i) if r.group is None else ("label", r.group), len(labels))
-    seeds = [None] * (B * G) + [r.key for r in resumed] + [None] * (N - B * G - R)
+        group_N[n] = B + labels.setdefault(("row", n) if r.group is None else ("label", r.group), len(labels))
+    seeds = [r.key for r in resumed] + [None] * (N - R)
     rows = Rows(source_N, start_N, id_N, group_N, _keys(seeds, key))
-    return Layout(sequences, carried, tokens_NxC, logp_NxC, limit_N, rows, B * G + R, B + len(labels))
+    output = np.concatenate([np.arange(R, R + B * G), np.arange(R)]).astype(np.int32)  # fresh rows out first
+    return Layout(sequences, carried, tokens_NxC, logp_NxC, limit_N, rows, B * G + R, B + len(labels), output)
 
 
 def interrupted(out, prompts: Sequence[Sequence[int]], seed, num_samples: int = 1,

@@ -218,6 +218,14 @@ def pool_rows(batch_groups: int, G: int, oversample: float) -> int:
     return max(batch_groups, math.ceil(oversample * batch_groups)) * G
 
 
+def pool_slots(slots, batch_groups: int, G: int):
+    """The decode slots of a partial-rollout call: rollout.slots when set, else the step's rows (B x G). The call
+    holds more rows than that (every group in flight); the others queue, and a row that stops hands its slot to the
+    next, so every slot keeps decoding until the step's groups are complete (a slot per row would leave the slots of
+    stopped rows idle to the end of the call)."""
+    return slots if slots not in (None, "all") else batch_groups * G
+
+
 def _row_order(group: Group, G: int) -> list[Row]:
     return sorted(group.rows, key=lambda r: r.row_id % G)
 
@@ -305,7 +313,7 @@ def collect_phases(task, cfg, config, pool, carry: Carry, params, rl_step: int, 
         out = sampler.generate(cfg, params, prompts, max_new_tokens=ro_cfg.max_new_tokens,
                                temperature=ro_cfg.temperature, top_p=ro_cfg.top_p, top_k=ro_cfg.top_k,
                                min_p=ro_cfg.min_p, eos_ids=cfg.eos_token_ids, seed=key, num_samples=G,
-                               pad_id=cfg.pad_token_id, slots=getattr(ro_cfg, "slots", None),
+                               pad_id=cfg.pad_token_id, slots=pool_slots(ro_cfg.get("slots", None), B, G),
                                row_max_new_tokens=limits, stop_after_groups=stop_after_groups, resume=resume,
                                min_rows=pool_rows(B, G, ro_cfg.oversample))
         return sharding.gather(out)

@@ -51,19 +51,21 @@ def test_layout_keeps_each_shards_rows_on_its_own_sequences():
     N, B = len(mixed.limit_N), len(mixed.sequences)
     assert (N, mixed.real_rows, mixed.groups) == (12, 12, 5) and B % 4 == 0
     assert decode_pool.queue_groups(N, B, 8, 4) == 4
-    wanted = [(PROMPTS[n // 3], []) for n in range(9)] + [([7, 8], [9, 10, 11]), ([7], [12]), ([3], [])]
+    # the program runs the resumed rows first (they take the slots first); the output is fresh rows, then resumed
+    np.testing.assert_array_equal(mixed.output, [3, 4, 5, 6, 7, 8, 9, 10, 11, 0, 1, 2])
+    wanted = [([7, 8], [9, 10, 11]), ([7], [12]), ([3], [])] + [(PROMPTS[n // 3], []) for n in range(9)]
     for n in range(12):  # each shard's rows continue sequences of its own block
         assert mixed.rows.source_N[n] // (B // 4) == n // (N // 4)
         source = mixed.rows.source_N[n]
         assert (mixed.sequences[source], mixed.carried[source]) == wanted[n]
-    np.testing.assert_array_equal(mixed.rows.start_N[9:], [3, 1, 0])
-    np.testing.assert_array_equal(mixed.rows.id_N[9:], [17, 2, 4])
-    np.testing.assert_array_equal(mixed.rows.group_N, [0] * 3 + [1] * 3 + [2] * 3 + [3, 3, 4])
-    np.testing.assert_array_equal(mixed.limit_N[9:], [8, 4, 4])
-    np.testing.assert_array_equal(mixed.tokens_NxC[9, :4], [9, 10, 11, 0])
-    np.testing.assert_array_equal(mixed.logp_NxC[9, :4], [-1.0, -2.0, -3.0, 0.0])
+    np.testing.assert_array_equal(mixed.rows.start_N[:3], [3, 1, 0])
+    np.testing.assert_array_equal(mixed.rows.id_N, [17, 2, 4] + list(range(9)))
+    np.testing.assert_array_equal(mixed.rows.group_N, [3, 3, 4] + [0] * 3 + [1] * 3 + [2] * 3)
+    np.testing.assert_array_equal(mixed.limit_N[:3], [8, 4, 4])
+    np.testing.assert_array_equal(mixed.tokens_NxC[0, :4], [9, 10, 11, 0])
+    np.testing.assert_array_equal(mixed.logp_NxC[0, :4], [-1.0, -2.0, -3.0, 0.0])
     data = lambda s: np.asarray(jax.random.key_data(jax.random.key(s)))
-    np.testing.assert_array_equal(mixed.rows.key_N[[0, 9, 10, 11]], [data(0), data(5), data(6), data(5)])
+    np.testing.assert_array_equal(mixed.rows.key_N[[3, 0, 1, 2]], [data(0), data(5), data(6), data(5)])
 
 
 def test_default_unchanged(params):
