@@ -30,12 +30,12 @@ import sys
 from typing import Callable
 
 from sage_jax.bench import workloads
-from sage_jax.bench import common, gpu, lora, memory, rl_step, sampler, scaling, train_step
+from sage_jax.bench import common, gpu, lora, memory, rl_steady, rl_step, sampler, scaling, train_step
 from sage_jax.bench.common import DTYPES
 
 Mode = Callable[[argparse.Namespace], list[dict]]
 TRAINING_MODES: dict[str, Mode] = {
-    "train_step": train_step.train_step_mode, "rl_step": rl_step.rl_step_mode, "memory": memory.memory_mode,
+    "train_step": train_step.train_step_mode, "rl_step": lambda args: (rl_steady.rl_steady_mode if args.steady else rl_step.rl_step_mode)(args), "memory": memory.memory_mode,
     "scaling": scaling.scaling_mode, "matmul": train_step.matmul_mode, "flags": train_step.flags_mode,
 }
 SAMPLER_MODES: dict[str, Mode] = {"sampler": sampler.sampler_mode}

@@ -82,8 +82,9 @@ def report(out: str, seeds: int) -> str:
                   f"{', '.join(f'{x:.3f}' for x in lag)}), {sum(carried) / len(carried):.1f} rows carried per step, "
                   f"{sum(runs[('on', s)]['dropped_groups'] for s in paired):.0f} groups dropped. Wall seconds per "
                   f"run: off {', '.join(str(round(runs[('off', s)]['wall_s'])) for s in paired)}; on "
-                  f"{', '.join(str(round(runs[('on', s)]['wall_s'])) for s in paired)} (the machine is shared: not "
-                  "a speed comparison; `python -m sage_jax.bench rl_step --steady` is).",
+                  f"{', '.join(str(round(runs[('on', s)]['wall_s'])) for s in paired)} (the on arm starts from the off "
+                  "arm's SFT checkpoint, and the machine is shared: not a speed comparison; `python -m "
+                  "sage_jax.bench rl_step --steady` is).",
                   "", "Made by:", "", "```", "python -m sage_jax.experiments.partial_demo --out "
                   "docs/results/partial/demo --work /tmp/partial_demo", "```"]
     text = "\n".join(lines) + "\n"

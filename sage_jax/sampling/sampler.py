@@ -216,12 +216,8 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         tokens, logp, lengths, finished, done, prompt_tokens, prompt_mask, steps = generate_program(
             cfg, plan, params, *sequences, *per_row, *scalars, eos_E)
-    n = rows.real_rows
-    if resume:  # the program ran the resumed rows first; fresh rows come out first
-        at = rows.output
-        return SampleOutput(tokens=tokens[at, :max_new_tokens], lengths=lengths[at], finished=finished[at],
-                            logprobs=logp[at, :max_new_tokens], prompt_tokens=prompt_tokens[at],
-                            prompt_mask=prompt_mask[at], steps=steps, done=done[at])
-    return SampleOutput(tokens=tokens[:n, :max_new_tokens], lengths=lengths[:n], finished=finished[:n],
-                        logprobs=logp[:n, :max_new_tokens], prompt_tokens=prompt_tokens[:n],
-                        prompt_mask=prompt_mask[:n], steps=steps, done=done[:n])
+    # the returned rows: the program ran resumed rows first, fresh rows come out first (no resumed rows: a slice)
+    at = rows.output if resume else slice(0, rows.real_rows)
+    return SampleOutput(tokens=tokens[at, :max_new_tokens], lengths=lengths[at], finished=finished[at],
+                        logprobs=logp[at, :max_new_tokens], prompt_tokens=prompt_tokens[at],
+                        prompt_mask=prompt_mask[at], steps=steps, done=done[at])

@@ -77,12 +77,13 @@ class Carry:
     """The groups in flight between steps (rows carried, finished siblings waiting, complete groups not yet trained)
     and the position in the task's example stream; snapshots of it as each collect began, for checkpoints."""
 
-    def __init__(self, workdir: str | None = None):
+    def __init__(self, workdir: str | None = None, k: int = 0):
         self.groups: dict[tuple[int, int], Group] = {}
         self.cursor = 0  # the next fresh example's index in the stream
         self.next_step: int | None = None  # the collect step this state feeds (None: not yet read)
         self.snapshots: dict[int, bytes] = {}
         self.dir = os.path.join(workdir, "partial") if workdir else None
+        self.k = k  # train.off_policy_steps: a checkpoint at step s may resume at s .. s + k
 
     # ---------------------------------------------------------------------------------------- state <-> bytes
     def to_bytes(self) -> bytes:
@@ -137,11 +138,12 @@ class Carry:
         for old in [s for s in self.snapshots if s < step - 4]:
             del self.snapshots[old]
 
-    def save(self, step: int, k: int, keep: Sequence[int] = ()) -> None:
+    def save(self, step: int, keep: Sequence[int] = ()) -> None:
         """At the checkpoint of `step` (after the off-policy pipeline saved its batches): the carry of every step
         step .. step + k it may resume at (collect(s) starts from snapshot s; the present state feeds next_step)."""
         if self.dir is None or jax.process_index() != 0:
             return
+        k = self.k
         paths.makedirs(self.dir)
         states = {s: b for s, b in self.snapshots.items() if step <= s <= step + k}
         if self.next_step is not None and step <= self.next_step <= step + k:
@@ -290,7 +292,7 @@ def sample_partial(carry: Carry, step: int, version: int, batch_groups: int, G: 
     return groups, dropped, drawn, gen_s
 
 
-def collect_phases(task, cfg, config, pool, carry: Carry, params, rl_step: int, version: int | None = None):
+def collect_phases(task, cfg, config, pool, params, rl_step: int, version: int | None = None, *, carry: Carry):
     """rollouts.collect_phases with partial rollouts (rollout.partial): the same outputs and phases, each group of the
     batch assembled from the calls that drew its rows. version: the RL step whose policy `params` are (default
     rl_step; the off-policy pipeline passes it)."""

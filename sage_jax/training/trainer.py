@@ -1,8 +1,7 @@
 """The RL loop. One step (`rl_step`): rollouts -> rewards -> group advantages -> reference / old log-probs ->
-jitted updates -> metrics; `run_rl` is its setup, loop and hooks (checkpoints, evaluation, logging).
-
-Reads top to bottom: mesh -> task -> model/optimizer -> sharded state -> train_step -> restore -> loop.
-The policy params are donated to train_step and read by the sampler in place; the reference params are made once.
+jitted updates -> metrics; `run_rl` is its setup, loop and hooks (checkpoints, evaluation, logging). Reads top to
+bottom: mesh -> task -> model/optimizer -> sharded state -> train_step -> restore -> loop. The policy params are
+donated to train_step and read by the sampler in place; the reference params are made once.
 """
 
 from __future__ import annotations
@@ -261,12 +260,11 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
         logger = slog.MetricsLogger(workdir, None if start else config.to_dict(), use_tensorboard=tr.use_tensorboard,
                                     use_wandb=tr.use_wandb, resume_step=start)  # a resume keeps config.json
         summary = Summary(os.path.join(workdir, "summary.json"))
-        carry = partial_lib.Carry(workdir) if config.rollout.get("partial", False) else None
+        carry = partial_lib.Carry(workdir, k) if config.rollout.get("partial", False) else None
+        collect_fn = collect_phases if carry is None else functools.partial(partial_lib.collect_phases, carry=carry)
         with RewardPool(tr.reward or task.reward, num_workers=tr.reward_workers, timeout_s=tr.reward_timeout,
                         memory_mb=tr.reward_memory_mb) as pool, offpolicy.Pipeline(
-                functools.partial(collect_phases, task, ctx.cfg, config, offpolicy.TimedPool(pool)) if carry is None
-                else functools.partial(partial_lib.collect_phases, task, ctx.cfg, config, offpolicy.TimedPool(pool),
-                                       carry), k, tr.steps,
+                functools.partial(collect_fn, task, ctx.cfg, config, offpolicy.TimedPool(pool)), k, tr.steps,
                 mesh=rollout_mesh or mesh, rules=rules, place=offpolicy.placement(ctx, rollout_mesh, rules, k > 0),
                 workdir=workdir) as collect:
             evaluate = lambda params, tag: run_eval(task, ctx.cfg, params, config,
@@ -279,10 +277,7 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
             record = run_record.as_record(config)
             meta = lambda done: {"rl_step": done, "seed": config.seed, "model": model, "config": record}
             save = lambda done: ckpt.save(done, state, meta(done))  # the state first: a preemption notice is short
-            def pending(done: int) -> None:  # then the batches in flight and the rows carried
-                collect.save(done, keep=ckpt.all_steps())
-                if carry is not None:
-                    carry.save(done, k, keep=ckpt.all_steps())
+            pending = lambda done: [x.save(done, keep=ckpt.all_steps()) for x in (collect, carry) if x]  # in flight
             stop = run_guard.StepStop("RL step", ckpt, save, lambda: report(late.flush()), (progress, logger), pending)
             for step in stop.steps(start, tr.steps):
                 state, metrics, host, ro = rl_step(ctx, state, step, collect)

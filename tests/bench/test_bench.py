@@ -279,7 +279,8 @@ def test_schedule_ceiling_prices_each_step_at_its_live_rows(monkeypatch):
 
 
 def test_rl_step_steady_runs_on_policy_and_partial_rollouts_side_by_side():
-    rows = rl_step.bench_rl_steady("tiny", prompts=2, group=2, prompt_len=8, new_tokens=16, steps=2, trl_steps=0,
+    from sage_jax.bench import rl_steady
+    rows = rl_steady.bench_rl_steady("tiny", prompts=2, group=2, prompt_len=8, new_tokens=16, steps=2, trl_steps=0,
                                    oversample=(1.5,), warmup=1)
     by = {r["impl"]: r for r in rows}
     assert set(by) == {"sage_jax", "sage_jax_partial_1.5"}

@@ -26,12 +26,12 @@ def _tiny(**overrides):
 
 
 def _metrics(workdir) -> dict:
-    """{(step, key): value} of metrics.jsonl without the timings (and what is derived from them)."""
+    """{(step, key): value} of metrics.jsonl without the timings (and what is derived from them: perf/)."""
     out = {}
     for line in open(workdir / "metrics.jsonl"):
         row = json.loads(line)
         out.update({(row["step"], k): v for k, v in row.items()
-                    if not k.startswith("time") and k not in ("step", "perf/tokens_per_s")})
+                    if not k.startswith(("time", "perf/tokens_per_s", "perf/gen_")) and k != "step"})
     return out
 
 

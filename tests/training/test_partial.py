@@ -16,6 +16,7 @@ from sage_jax.run import config as config_lib
 from sage_jax.sampling import sampler
 from sage_jax.training import partial, rollouts, trainer
 from tests.sampling.test_sampler import CFG, _random_params
+from tests.training.test_offpolicy import _metrics
 from tests.tolerances import decoder_terms, f32_tols
 
 G, B, NEW = 3, 2, 24
@@ -163,15 +164,6 @@ def _tiny(**overrides):
     base = {"train.steps": 4, "train.ckpt_every": 2, "train.sample_every": 0, "train.use_tensorboard": False,
             "rollout.max_new_tokens": 32, "rollout.partial": True}
     return config_lib.load("configs/tiny_test.py", [f"--config.{k}={v}" for k, v in {**base, **overrides}.items()])
-
-
-def _metrics(workdir) -> dict:
-    out = {}
-    for line in open(workdir / "metrics.jsonl"):
-        row = json.loads(line)
-        out.update({(row["step"], k): v for k, v in row.items()
-                    if not k.startswith(("time", "perf")) and k != "step"})
-    return out
 
 
 def _recording(monkeypatch, seen: list):
