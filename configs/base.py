@@ -98,6 +98,19 @@ def get_config(arg=None):
     return c
 
 
+def parse_arm(arg: str | None, arms, kind: str, choices, default: str) -> tuple[str, str]:
+    """An arm file's argument "ARM" or "ARM,OPTION" -> (arm, option): arm one of `arms` (default grpo), option one of
+    `choices` (its `kind`, e.g. preset; default `default`); anything else is an error naming the choices."""
+    arm, _, option = (arg or "grpo").partition(",")
+    arm, option = arm or "grpo", option or default
+    if arm not in arms:
+        raise ValueError(f"unknown arm {arm!r}: choose one of {', '.join(arms)} (optionally ',{kind}': "
+                         f"{', '.join(choices)})")
+    if option not in choices:
+        raise ValueError(f"unknown {kind} {option!r} in {arg!r}: choose one of {', '.join(choices)}")
+    return arm, option
+
+
 def set_fields(c: ml_collections.ConfigDict, dotted: dict, where: str) -> None:
     """c[a][b] = value for each "a.b": value; a key that names no field is an error naming `where` (an arm file)."""
     for key, value in dotted.items():

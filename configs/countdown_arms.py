@@ -122,13 +122,7 @@ def _set(c: ml_collections.ConfigDict, dotted: dict[str, Any]) -> None:
 
 
 def parse_arg(arg: str | None) -> tuple[str, str]:
-    arm, _, budget = (arg or "grpo").partition(",")
-    arm, budget = arm or "grpo", budget or "full"
-    if arm not in ARMS:
-        raise ValueError(f"unknown arm {arm!r}: choose one of {', '.join(ARMS)}")
-    if budget not in BUDGETS:
-        raise ValueError(f"unknown budget {budget!r}: choose one of {', '.join(BUDGETS)}")
-    return arm, budget
+    return base.parse_arm(arg, ARMS, "budget", BUDGETS, "full")
 
 
 def get_config(arg=None):

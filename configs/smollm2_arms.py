@@ -81,13 +81,7 @@ def _set(c: ml_collections.ConfigDict, dotted: dict[str, Any]) -> None:
 
 
 def parse_arg(arg: str | None) -> tuple[str, str]:
-    arm, _, preset = (arg or "grpo").partition(",")
-    arm, preset = arm or "grpo", preset or "study"
-    if arm not in ARMS:
-        raise ValueError(f"unknown arm {arm!r}: choose one of {', '.join(ARMS)} (optionally ',quick')")
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r} in {arg!r}: choose one of {', '.join(PRESETS)}")
-    return arm, preset
+    return base.parse_arm(arg, ARMS, "preset", PRESETS, "study")
 
 
 def ARGS() -> tuple[str, ...]:  # the name config.load_file looks for

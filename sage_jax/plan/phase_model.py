@@ -300,9 +300,9 @@ def placements(cfg, prompts: int, prompt_len: int, lengths_N: Sequence[int], m: 
                        stage_dp=max(1, n // tensor) if stages else 0)
         return g["prefill_s"] + g["decode_s"], g["tail_s"]
 
-    def train(n):  # packed into one slice per data-parallel shard, as the trainer does
+    def train(n, lengths=lengths_N):  # packed into one slice per data-parallel shard, as the trainer does
         dp = max(1, n // tensor)
-        t = training(cfg, P, lengths_N, m, devices=n, packed=packed, slices=dp if len(lengths_N) % dp == 0 else 1,
+        t = training(cfg, P, lengths, m, devices=n, packed=packed, slices=dp if len(lengths) % dp == 0 else 1,
                      max_new_tokens=max_new_tokens)
         return t["ref_s"] + t["update_s"]
     g_all, tail_all = gen(chips)
@@ -327,12 +327,7 @@ def placements(cfg, prompts: int, prompt_len: int, lengths_N: Sequence[int], m: 
         dp = max(1, chips // tensor)
         sched = partial_schedule(stream, prompts, group, oversample, max_lag, 24, prompt_len, dp if stages else 0)
         g = partial_generation(cfg, sched, m, devices=chips, tensor=tensor, warmup=8)
-        steady = sched[8:]
-        tr = float(np.mean([training(cfg, P, s["trained"], m, devices=chips, packed=packed,
-                                     slices=dp if len(s["trained"]) % dp == 0 else 1,
-                                     max_new_tokens=max_new_tokens)["ref_s"] + training(
-            cfg, P, s["trained"], m, devices=chips, packed=packed, slices=dp if len(s["trained"]) % dp == 0 else 1,
-            max_new_tokens=max_new_tokens)["update_s"] for s in steady]))
+        tr = float(np.mean([train(chips, s["trained"]) for s in sched[8:]]))
         trained_tokens = g["trained_tokens"] + len(lengths_N) * P
         for name, step in (("partial k=0 colocated", g["generate_s"] + tr + host_s),
                            ("partial k=1 colocated", max(g["generate_s"] + tr, host_s))):

@@ -22,9 +22,9 @@ row of theirs in the call done (complete_groups), and the rows still running com
 
 Layout (host side, `layout`): the program's rows are the resumed rows in the order given, then the fresh rows
 (prompt-major), then filler rows (limit 0: done from the start) up to a multiple of data x fsdp (or min_rows), so
-with fewer slots than rows the resumed rows take the slots first; generate returns the fresh rows first (`output`). With no resumed rows the sequences are the prompts,
-padded as before (prompt-major rows: each shard's rows continue its own block of prompts when the prompts split
-evenly). With resumed rows each data-parallel shard's rows continue only sequences of that shard's block (a prompt
+with fewer slots than rows the resumed rows take the slots first; generate returns the fresh rows first (`output`).
+With no resumed rows the sequences are the prompts, padded as before (prompt-major rows: each shard's rows continue
+its own block of prompts when the prompts split evenly). With resumed rows each data-parallel shard's rows continue only sequences of that shard's block (a prompt
 whose G rows straddle two shards is prefilled in both, and the blocks are padded to one size), so each shard keeps
 its own queue (decode_pool.queue_groups).
 """
@@ -140,7 +140,7 @@ def _keys(seeds: list, key: jax.Array) -> np.ndarray:
 
 def layout(prompts: list, G: int, limits: list, resumed: Sequence[Resumed], max_new_tokens: int, C: int, dp: int,
            pad_id: int, key: jax.Array, min_rows: int = 0) -> Layout:
-    """The rows of one generate call (see the module docstring): fresh rows, resumed rows, filler rows (with resumed
+    """The rows of one generate call (see the module docstring): resumed rows, fresh rows, filler rows (with resumed
     rows, at least min_rows rows in all, and the sequences of each shard a power of two: calls whose mix of fresh and
     carried rows differs then share their programs)."""
     B, R = len(prompts), len(resumed)

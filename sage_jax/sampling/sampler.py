@@ -21,7 +21,8 @@ Rows leave the pool and come back (rows.py): stop_after_groups=k returns once k 
 running with their tokens so far (done=False); resume=[rows.Resumed, ...] brings such rows back into a later call,
 beside its fresh prompts: its prompt is prefilled into the prompt bucket and its tokens so far into the generation
 positions they had, and it goes on with its first call's key and row id at the positions it would have had, so with
-unchanged weights it draws the tokens it would have drawn (up to float rounding in its prefilled cache; rows.py). A multi-turn row (a tool call) is to come back the same way.
+unchanged weights it draws the tokens it would have drawn (up to float rounding in its prefilled cache; rows.py).
+A multi-turn row (a tool call) is to come back the same way.
 """
 from __future__ import annotations
 

@@ -304,12 +304,8 @@ def collect_phases(task, cfg, config, pool, params, rl_step: int, version: int |
 
     def fresh_prompts(cursor: int, n: int):
         examples = [task.train_batch(i, 1, config.seed)[0] for i in range(cursor, cursor + n)]
-        prompts = [task.encode_prompt(ex) for ex in examples]
-        cut[0] = sum(len(p) > config.data.max_prompt_len for p in prompts)
-        if cut[0]:
-            rollouts._warn_cut(cut[0], len(prompts), max(map(len, prompts)), config.data.max_prompt_len)
-        return [rollouts.cut_prompt(p, config.data.max_prompt_len, task.tokenizer) for p in prompts], \
-            list(range(cursor, cursor + n))
+        prompts, cut[0] = rollouts.encode_prompts(task, examples, config.data.max_prompt_len)
+        return prompts, list(range(cursor, cursor + n))
 
     def generate(prompts, resume, stop_after_groups, limits):
         out = sampler.generate(cfg, params, prompts, max_new_tokens=ro_cfg.max_new_tokens,
@@ -329,13 +325,7 @@ def collect_phases(task, cfg, config, pool, params, rl_step: int, version: int |
     ro["texts"] = [task.tokenizer.decode(row[:n]) for row, n in zip(ro["tokens"], ro["lengths"])]
     ro["golds"] = [task.gold(ex) for ex in examples for _ in range(G)]
     ro["prompts"] = [task.prompt_text(ex) for ex in examples for _ in range(G)]
-    mine = sharding.local_rows(len(ro["texts"]))
-    scores = pool.score(ro["texts"][mine], ro["golds"][mine]).astype(np.float32)
-    yield rollouts.DEVICE
-    ro["rewards"] = sharding.allgather_rows(scores)
-    ro["correct"] = (ro["rewards"] >= 1.0).astype(np.float32)
-    ro["rewards"] = ro["rewards"] + rollouts.overlong_penalty(ro["lengths"], ro_cfg.max_new_tokens,
-                                                              tr.overlong_buffer, tr.overlong_penalty)
+    yield from rollouts.score_phases(ro, pool, ro_cfg, tr)
     stats = {"rl/zero_var_groups": float(np.asarray(objectives.zero_variance_groups(ro["rewards"], G)).mean()),
              "rl/prompts_cut": float(cut[0]), **step_stats(ro, rl_step, carry, dropped, drawn, gen_s)}
     stats.update(pool.take_counts())

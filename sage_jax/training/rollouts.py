@@ -45,11 +45,7 @@ def rollout(task: tasks.Task, cfg, params, examples, rollout_cfg, key, max_promp
 def rollout_phases(task: tasks.Task, cfg, params, examples, rollout_cfg, key, max_prompt_len: int):
     """rollout() in phases: sampling, and the gather of rows spread over processes, are dispatched (DEVICE); the
     rows are then read and decoded (HOST)."""
-    prompts = [task.encode_prompt(ex) for ex in examples]
-    cut = sum(len(p) > max_prompt_len for p in prompts)
-    if cut:
-        _warn_cut(cut, len(prompts), max(map(len, prompts)), max_prompt_len)
-        prompts = [cut_prompt(p, max_prompt_len, task.tokenizer) for p in prompts]
+    prompts, cut = encode_prompts(task, examples, max_prompt_len)
     out = sampler.generate(cfg, params, prompts, max_new_tokens=rollout_cfg.max_new_tokens,
                            temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
                            min_p=rollout_cfg.min_p, eos_ids=cfg.eos_token_ids, seed=key,
@@ -66,6 +62,29 @@ def rollout_phases(task: tasks.Task, cfg, params, examples, rollout_cfg, key, ma
             "sampler_logp": np.asarray(out.logprobs), "texts": texts,
             "golds": [task.gold(ex) for ex in examples for _ in range(G)],
             "prompts": [task.prompt_text(ex) for ex in examples for _ in range(G)], "prompts_cut": cut}
+
+
+def encode_prompts(task: tasks.Task, examples, max_prompt_len: int) -> tuple[list[list[int]], int]:
+    """(the examples' prompt token ids, each cut to max_prompt_len by cut_prompt, how many were cut)."""
+    prompts = [task.encode_prompt(ex) for ex in examples]
+    cut = sum(len(p) > max_prompt_len for p in prompts)
+    if cut:
+        _warn_cut(cut, len(prompts), max(map(len, prompts)), max_prompt_len)
+        prompts = [cut_prompt(p, max_prompt_len, task.tokenizer) for p in prompts]
+    return prompts, cut
+
+
+def score_phases(ro: dict[str, Any], pool, ro_cfg, tr):
+    """Score rollouts in place, in phases: each process its share of the rows (HOST), everyone gets all rewards back
+    (DEVICE); "correct" is reward >= 1, then DAPO's overlong penalty is added to "rewards"."""
+    mine = sharding.local_rows(len(ro["texts"]))
+    yield HOST  # (a stopping point before the scoring: offpolicy.Pipeline cancels a batch there)
+    scores = pool.score(ro["texts"][mine], ro["golds"][mine]).astype(np.float32)
+    yield DEVICE
+    ro["rewards"] = sharding.allgather_rows(scores)
+    ro["correct"] = (ro["rewards"] >= 1.0).astype(np.float32)
+    ro["rewards"] = ro["rewards"] + overlong_penalty(ro["lengths"], ro_cfg.max_new_tokens, tr.overlong_buffer,
+                                                     tr.overlong_penalty)
 
 
 _WARNED_CUT = []
@@ -106,15 +125,7 @@ def collect_phases(task: tasks.Task, cfg, config, pool, params, rl_step: int):
                                     B, config.seed)
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(config.seed), rl_step), attempt)
         ro = yield from rollout_phases(task, cfg, params, examples, ro_cfg, key, config.data.max_prompt_len)
-        # each process scores its own share of the rows; everyone gets all rewards back
-        mine = sharding.local_rows(len(ro["texts"]))
-        yield HOST  # (a stopping point before the scoring: offpolicy.Pipeline cancels a batch there)
-        scores = pool.score(ro["texts"][mine], ro["golds"][mine]).astype(np.float32)
-        yield DEVICE
-        ro["rewards"] = sharding.allgather_rows(scores)
-        ro["correct"] = (ro["rewards"] >= 1.0).astype(np.float32)
-        ro["rewards"] = ro["rewards"] + overlong_penalty(ro["lengths"], ro_cfg.max_new_tokens, tr.overlong_buffer,
-                                                         tr.overlong_penalty)
+        yield from score_phases(ro, pool, ro_cfg, tr)
         parts.append(ro)
         if not tr.dynamic_sampling:
             break
