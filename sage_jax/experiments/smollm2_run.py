@@ -38,6 +38,9 @@ IGNORED = ("model.path", "tokenizer_path", "mesh.", "sft.", "rollout.slots", "ev
            "experiment.preset", "experiment.tau_quantile", "experiment.entropy_")  # tau itself is loss.tau
 BASE_KEYS = ("model.", "data.", "eval.", "seed", "experiment.data_seed", "experiment.eval_rows")
 ENTROPY_KEYS = ("model.", "data.", "rollout.", "experiment.data_seed", "experiment.entropy_")
+# settings added after results were made, left out while they hold the value that computes what the results did
+# (so a committed result keeps its fingerprint): with rollout.partial off, oversample and max_lag are never read
+INERT = {"rollout.partial": (False, ("rollout.partial", "rollout.oversample", "rollout.max_lag"))}
 
 
 class Job(NamedTuple):
@@ -91,8 +94,10 @@ def _matches(key: str, patterns: Sequence[str]) -> bool:
 
 def _picked(config, keep: Sequence[str] | None) -> dict[str, Any]:
     """The flat settings in `keep` (None: all but IGNORED)."""
-    items = flat(config.to_dict()).items()
-    return {k: v for k, v in items if (_matches(k, keep) if keep is not None else not _matches(k, IGNORED))}
+    items = flat(config.to_dict())
+    inert = {k for key, (off, keys) in INERT.items() if items.get(key) == off for k in keys}
+    return {k: v for k, v in items.items()
+            if k not in inert and (_matches(k, keep) if keep is not None else not _matches(k, IGNORED))}
 
 
 def fingerprint(config) -> str:

@@ -85,6 +85,11 @@ def test_fingerprint_tracks_what_changes_a_run():
     # the base is evaluated only: RL settings leave it alone (the regime's candidates share one base), eval does not
     assert fp("base") == fp("base", "--config.optim.lr=5e-4", "--config.train.steps=16")
     assert fp("base") != fp("base", "--config.eval.n=16") and fp("base") != fp("grpo")
+    # partial rollouts' settings (added after the first results) count only when partial rollouts are on
+    assert fp("grpo") == fp("grpo", "--config.rollout.oversample=2", "--config.rollout.max_lag=1")
+    assert fp("grpo", "--config.rollout.partial=True") != fp("grpo")
+    assert (fp("grpo", "--config.rollout.partial=True", "--config.rollout.oversample=2")
+            != fp("grpo", "--config.rollout.partial=True"))
 
 
 def test_arithmetic_forms_and_problem_stats():
