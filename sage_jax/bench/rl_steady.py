@@ -142,7 +142,8 @@ def bench_rl_steady(preset: str = "small", dtype: str = "fp32", prompts: int = 8
                                                 0.05, trl_steps + 1, between, ids_reward, EOS_ID, seed, [])
     while done[0] < total:
         between()
-    ceiling = _full_width_s_per_token(ours["sage_jax"], prompt_stream[:B].tolist(), group, new_tokens // 4, seed)
+    ceiling = _full_width_s_per_token(ours["sage_jax"], prompt_stream[:B].tolist(), group,
+                                      ceiling_length(lengths[:N * (steps + warmup)]), seed)
     out = _summarize(runs, warmup, preset, workload, B, group, new_tokens, ceiling, ours, collects, seed, trl_runs,
                      lengths[:N])
     _print(out, preset, B, group, workload, new_tokens, oversample, max_lag, steps, warmup, load_before)
@@ -155,11 +156,13 @@ def _print(out, preset, B, group, workload, new_tokens, oversample, max_lag, ste
                       ("trained_vs_on_policy", ".2f"), ("trained_vs_trl", ".2f"), ("carried_rows", ".1f"),
                       ("token_lag", ".2f"), ("dropped_groups", ".0f"), ("reprefill_frac", ".3f"),
                       ("prefill_share", ".3f"), ("compiled", ".0f"), ("full_width_tokens_per_s", ".1f"),
-                      ("gen_ceiling_vs_on_policy", ".2f")])
+                      ("gen_ceiling_vs_on_policy", ".2f"), ("trained_ceiling_vs_on_policy", ".2f")])
     print(f"{preset} preset, {B} prompts x {group} samples per step, {workload} lengths up to {new_tokens}; partial: "
           f"oversample {', '.join(f'{o:g}' for o in oversample)}, max_lag {max_lag}; medians / sums over {steps} "
-          f"steps after {warmup} warm-up steps; full_width: a static batch of the step's rows all {new_tokens // 4} "
-          "tokens long (every step at the full width, every row live), the generation ceiling; "
+          f"steps after {warmup} warm-up steps; full_width: a static batch of the step's rows, all as long as twice "
+          "the workload's mean token position (every step at the full width, every row live, each token's attention "
+          "as long on average as the workload's), the generation ceiling; trained ceiling: the on-policy steps with "
+          "their generation at that rate; "
           f"prefill_share: the carried rows' prefill alone (timed after the run) over a partial step's sampling; "
           f"1-min load average {load_before:.1f} before, {common.load_average():.1f} after ({os.cpu_count()} cores)")
 
@@ -200,9 +203,13 @@ def _summarize(runs, warmup, preset, workload, B, group, new_tokens, ceiling, ou
                                                    new_tokens, seed)
         part["prefill_share"] = part["prefill_carry_s"] / part["gen_s"] if part["gen_s"] else float("nan")
     # the generation ceiling: every decode step at the full width with every row live (a static batch of the step's
-    # rows, all of one length), per token; no schedule of the same rows decodes faster per token
+    # rows, all of one length), per token, its attention as long as the workload's average token's; and the trained
+    # tokens/s of the on-policy steps had their generation run at that rate
+    on = runs["sage_jax"][warmup:]
     out[0]["full_width_tokens_per_s"] = 1.0 / ceiling
     out[0]["gen_ceiling_vs_on_policy"] = (1.0 / ceiling) / out[0]["gen_tokens_per_s"]
+    out[0]["trained_ceiling_vs_on_policy"] = sum(r["seconds"] for r in on) / sum(
+        r["seconds"] - r["gen_s"] + r["drawn"] * ceiling for r in on)
     for r in out:
         r["gen_vs_on_policy"] = r["gen_tokens_per_s"] / out[0]["gen_tokens_per_s"]
         r["trained_vs_on_policy"] = r["trained_tokens_per_s"] / out[0]["trained_tokens_per_s"]
@@ -215,6 +222,14 @@ def _summarize(runs, warmup, preset, workload, B, group, new_tokens, ceiling, ou
         for r in out[:-1]:
             r["trained_vs_trl"] = r["trained_tokens_per_s"] / trl_tok
     return out
+
+
+def ceiling_length(lengths: np.ndarray) -> int:
+    """The length of a static batch whose tokens' attention is, on average, as long as the workload's tokens': twice
+    the mean position of a generated token (sum of L (L - 1) / 2 over the rows, over sum of L). A decode step's
+    attention reads up to its furthest row, so a pool of rows at mixed positions reads at least that much."""
+    lengths = np.asarray(lengths, np.float64)
+    return max(1, int(round(2 * float((lengths * (lengths - 1) / 2).sum() / lengths.sum()))))
 
 
 def _full_width_s_per_token(runner, prompts: list, group: int, length: int, seed: int) -> float:

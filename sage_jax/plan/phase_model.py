@@ -73,9 +73,10 @@ def generation(cfg, prompts: int, prompt_len: int, lengths_N: np.ndarray, m: Mac
 
 
 def _sampler_costs(cfg, sequences: int, P: int, rows_J: np.ndarray, j_J: np.ndarray, m: Machine, devices: float,
-                   tensor: int, carried: int = 0) -> tuple[float, np.ndarray]:
-    """(prefill seconds of `sequences` sequences in the prompt bucket P plus `carried` generation positions, seconds
-    of each decode step computing rows_J rows at generation position j_J) of one sampler call."""
+                   tensor: int, carried: int = 0, carrying: int | None = None) -> tuple[float, np.ndarray]:
+    """(prefill seconds of `sequences` sequences in the prompt bucket P, `carrying` of them (default all) plus
+    `carried` generation positions (decode_pool._prefill), seconds of each decode step computing rows_J rows at
+    generation position j_J) of one sampler call."""
     D, V, w = cfg.hidden_size, cfg.vocab_size, _bytes(cfg.compute_dtype)
     per_layer, per_slot, kv = bench_flops.layer_params(cfg), bench_flops.attention_per_key(cfg), _kv_bytes_per_slot(cfg)
     # the weights are read in the compute dtype (sampler.generate casts them once: model.compute_params)
@@ -83,8 +84,9 @@ def _sampler_costs(cfg, sequences: int, P: int, rows_J: np.ndarray, j_J: np.ndar
     shards = max(1.0, devices / tensor)
     pw = _bytes(cfg.param_dtype)
     cast = cfg.num_params * (pw + w) / devices / m.bytes_per_s if pw > w else 0.0  # each device its shard
-    W = P + carried
-    prefill_f = sequences * (W * (2 * per_layer + per_slot * W) + 2 * D * V)
+    one = lambda W: W * (2 * per_layer + per_slot * W) + 2 * D * V
+    carrying = sequences if carrying is None else carrying
+    prefill_f = carrying * one(P + carried) + (sequences - carrying) * one(P)
     prefill = cast + _both(prefill_f / (m.flops_per_s * devices), weights / m.bytes_per_s, m)
     flops_J = rows_J * (2 * per_layer + 2 * D * V + per_slot * (P + j_J))
     # per device: its share of the rows' cache and FLOPs, its tensor slice of the weights
@@ -98,8 +100,8 @@ def partial_schedule(lengths: np.ndarray, batch_groups: int, G: int, oversample:
                      prompt_len: int, stage_dp: int = 0, slots: int | None = None) -> list[dict]:
     """Partial rollouts (training/partial.py) simulated on the host, on-policy versions (k = 0): `lengths` is the
     stream of completion lengths (G per prompt, in order). Per step: the call's sequences to prefill (fresh prompts,
-    and carried rows: prompt, then its tokens so far in the generation positions they had: P + the carried bucket
-    wide), the rows it computes at each decode step
+    P wide, and carried rows: prompt, then its tokens so far in the generation positions they had: P + the carried
+    bucket wide), the rows it computes at each decode step
     (B x G slots, carried rows first and the rest queued, narrowing by the sampler's stages once the queue is empty:
     decode_batches on what each row has left), cut where the B-th group completes; the trained rows' lengths and the token lag (versions between drawing
     a token and training it), the groups dropped."""
@@ -152,6 +154,7 @@ def partial_schedule(lengths: np.ndarray, batch_groups: int, G: int, oversample:
         longest = max(seq_lens, default=0)
         out.append({"sequences": len(seq_lens), "P": sampler.prompt_bucket(prompt_len),
                     "carried": sampler.prompt_bucket(longest) if longest else 0,
+                    "carrying": sum(1 for x in seq_lens if x),
                     "rows_J": rows_J, "trained": np.array(trained), "dropped": len(dropped),
                     "carried_tokens": sum(seq_lens),
                     "lag_mean": sum(a * k for a, k in lag) / tokens if tokens else 0.0})
@@ -167,7 +170,7 @@ def partial_generation(cfg, schedule: list[dict], m: Machine, devices: float = 1
     for s in steps:
         j = np.arange(1, len(s["rows_J"]) + 1)
         prefill, step_J = _sampler_costs(cfg, s["sequences"], s["P"], s["rows_J"], j, m, devices, tensor,
-                                         s["carried"]) if s["sequences"] else (0.0, np.zeros(0))
+                                         s["carried"], s["carrying"]) if s["sequences"] else (0.0, np.zeros(0))
         gen.append(prefill + float(step_J.sum()))
         pre.append(prefill)
     mean = lambda xs: float(np.mean(xs)) if len(xs) else 0.0

@@ -16,8 +16,9 @@ tokens equal one static batch's (S = all rows) for the same key, bit for bit.
 Rows need not start at their prompt's beginning (rows.py): row n continues prefilled sequence source_N[n] from
 generation position start_N[n], with its own key and id, so a row that left the pool (interrupted by
 stop_after_groups; later, a tool call) comes back with its tokens so far prefilled after its prompt, into the
-generation positions [P, P + start) they had (the prefill is P + plan.carried wide), and goes on drawing the tokens
-it would have drawn uninterrupted: its token j is written at P + j and fed at its uninterrupted RoPE position. With
+generation positions [P, P + start) they had (its sequence is prefilled P + plan.carried wide; a fresh prompt's
+only P: _prefill), and goes on drawing the tokens it would have drawn uninterrupted: its token j is written at P + j
+and fed at its uninterrupted RoPE position. With
 plan.stop_early the loop also ends once `stop_groups` groups have all their rows done (rows.complete_groups); the
 rows still running are returned with what they have.
 """
@@ -55,6 +56,9 @@ class SamplerPlan:
     stages: tuple[int, ...] | None = None  # the pool's widths (None: stage_widths(slots, data x fsdp, C))
     stop_early: bool = False  # the loop also ends once `stop_groups` groups are complete (generate's stop_after_groups)
     carried: int = 0  # generation positions prefilled after the prompt bucket (resumed rows' tokens; rows.py)
+    # the first `carrying` sequences of each data-parallel shard's block carry tokens in (rows.Layout.carrying): only
+    # they are prefilled over the carried positions, the others over the prompt bucket (0: every sequence over both)
+    carrying: int = 0
 
 
 def constrain_cache(cache):
@@ -313,6 +317,33 @@ def _gather_rows(x_B: jax.Array, source_N: jax.Array, Q: int) -> jax.Array:
     return jax.vmap(lambda x, i: x[i])(x_B.reshape(Q, B // Q, *x_B.shape[1:]), local_Qxn).reshape(N, *x_B.shape[1:])
 
 
+def _prefill(cfg: ModelConfig, params: Params, tokens_BxW: jax.Array, mask_BxW: jax.Array, P: int, dp: int,
+             carrying: int) -> tuple[jax.Array, tuple]:
+    """(each sequence's hidden state at its last real position [B, 1, D], the caches [B, L, K, W, H]) of sequences in
+    the prompt bucket P, then W - P carried positions. With `carrying`, the first `carrying` sequences of each of the
+    dp blocks are prefilled over all W positions and the others over P (their carried positions are padding: a
+    fresh prompt's prefill costs its bucket, not the longest carried row's), their caches padded to W."""
+    B, W = tokens_BxW.shape
+    bits = kv_cache.BITS if jnp.dtype(cfg.compute_dtype).itemsize == 2 else None  # the caches as bits: never
+    # converted whole (BITS)
+
+    def run(tokens, mask):  # the last real position: the prompt's (P - 1), or a sequence's last carried token's
+        h_BxTxD, cache = model_lib.prefill(cfg, params, tokens, mask, bits)
+        last_B = P - 1 + jnp.sum(mask[:, P:], axis=-1, dtype=jnp.int32)
+        return jnp.take_along_axis(h_BxTxD, last_B[:, None, None], axis=1), cache
+    if W == P or not carrying or carrying * dp == B:
+        return run(tokens_BxW, mask_BxW)
+    w = B // dp
+    part = lambda a, lo, hi, cols: a.reshape(dp, w, W)[:, lo:hi, :cols].reshape(dp * (hi - lo), cols)
+    h_c, cache_c = run(part(tokens_BxW, 0, carrying, W), part(mask_BxW, 0, carrying, W))
+    h_f, cache_f = run(part(tokens_BxW, carrying, w, P), part(mask_BxW, carrying, w, P))
+    pad = lambda c: jnp.pad(c, [(0, 0)] * 3 + [(0, W - P), (0, 0)])
+    merge = lambda a, b: jnp.concatenate([a.reshape(dp, carrying, *a.shape[1:]), b.reshape(dp, w - carrying,
+                                                                                        *b.shape[1:])],
+                                         axis=1).reshape(B, *a.shape[1:])
+    return merge(h_c, h_f), tuple(merge(c, pad(f)) for c, f in zip(cache_c, cache_f))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("tokens_NxC", "logp_NxC"))
 def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt_BxP: jax.Array,
                      prompt_mask_BxP: jax.Array, tokens_NxC: jax.Array, logp_NxC: jax.Array, limit_N: jax.Array,
@@ -331,16 +362,10 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
                                top_p=top_p if plan.use_top_p else None, min_p=min_p if plan.use_min_p else None)
 
     mask_BxW = prompt_mask_BxP.astype(jnp.bool_)  # W = P + plan.carried
-    bits = kv_cache.BITS if jnp.dtype(cfg.compute_dtype).itemsize == 2 else None  # the caches as bits: never
-    h_BxWxD, prompt_cache = model_lib.prefill(cfg, params, prompt_BxP, mask_BxW, bits)  # converted whole (BITS)
-    prompt_cache = constrain_cache(prompt_cache)
     dp = plan.mesh.shape["data"] * plan.mesh.shape["fsdp"] if plan.mesh is not None else 1
+    h_Bx1xD, prompt_cache = _prefill(cfg, params, prompt_BxP, mask_BxW, P, dp, plan.carrying)
+    prompt_cache = constrain_cache(prompt_cache)
     Q = queue_groups(N, B, S, dp)
-    if plan.carried:  # each sequence's last real position: its prompt's, or its last carried token's
-        last_B = P - 1 + jnp.sum(mask_BxW[:, P:], axis=-1, dtype=jnp.int32)
-        h_Bx1xD = jnp.take_along_axis(h_BxWxD, last_B[:, None, None], axis=1)
-    else:
-        h_Bx1xD = h_BxWxD[:, -1:]
     logits_NxV = _gather_rows(model_lib.logits_from_hidden(cfg, params, h_Bx1xD)[:, 0], rows.source_N, Q)
     ctx = _Ctx(cfg, params, sample, rows, mask_BxW[:, :P], jnp.sum(mask_BxW, axis=-1, dtype=jnp.int32), limit_N,
                limit_N > 0, pad_id, eos_E, C, dp, stop_groups if plan.stop_early else None)
@@ -351,7 +376,7 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
     tok_N, logp_N = sample(logits_NxV, row_keys(rows.key_N, rows.start_N, rows.id_N))
     out = _record(ctx, _Out(tokens_NxC, logp_NxC, rows.start_N, jnp.zeros((N,), jnp.bool_)), rows_N, rows.start_N,
                   ctx.valid_N, tok_N, logp_N)
-    cache = constrain_cache(kv_cache.init_cache(cfg, S, P + C, bits, stacked=True))
+    cache = constrain_cache(kv_cache.init_cache(cfg, S, P + C, prompt_cache[0].dtype, stacked=True))
     empty_S = jnp.full((S,), N, jnp.int32)
     pool = _Pool(empty_S, jnp.ones((S,), jnp.int32), jnp.zeros((S,), jnp.int32), cache, jnp.zeros((Q,), jnp.int32),
                  jnp.int32(1))

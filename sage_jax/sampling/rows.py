@@ -24,9 +24,11 @@ Layout (host side, `layout`): the program's rows are the resumed rows in the ord
 (prompt-major), then filler rows (limit 0: done from the start) up to a multiple of data x fsdp (or min_rows), so
 with fewer slots than rows the resumed rows take the slots first; generate returns the fresh rows first (`output`).
 With no resumed rows the sequences are the prompts, padded as before (prompt-major rows: each shard's rows continue
-its own block of prompts when the prompts split evenly). With resumed rows each data-parallel shard's rows continue only sequences of that shard's block (a prompt
-whose G rows straddle two shards is prefilled in both, and the blocks are padded to one size), so each shard keeps
-its own queue (decode_pool.queue_groups).
+its own block of prompts when the prompts split evenly). With resumed rows each data-parallel shard's rows continue
+only sequences of that shard's block (a prompt whose G rows straddle two shards is prefilled in both), so each shard
+keeps its own queue (decode_pool.queue_groups); a block is its resumed rows' sequences, then its prompts, each part
+padded to one size over the shards (Layout.carrying: the first part), and only the first part is prefilled with the
+carried positions (a prompt's prefill stays the prompt bucket's).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class Layout(NamedTuple):
     real_rows: int  # the rows returned: fresh rows, then resumed rows
     groups: int
     output: np.ndarray  # int32 [real_rows]: the program row of each returned row (resumed rows run first)
+    carrying: int = 0  # per data-parallel shard, the first sequences of its block that carry tokens in (the rest: prompts)
 
 
 def row_keys(key: jax.Array, steps_B: jax.Array, rows_B: jax.Array) -> jax.Array:
@@ -108,19 +111,27 @@ def check_resumed(resumed: Sequence[Resumed], vocab: int, max_new_tokens: int, m
             raise ValueError(f"resume[{i}] {problem}")
 
 
-def _shard_sequences(wanted: list, N: int, dp: int) -> tuple[list, np.ndarray]:
+def _shard_sequences(wanted: list, N: int, dp: int) -> tuple[list, np.ndarray, int]:
     """Each data-parallel shard's rows (N / dp each) continue the distinct sequences they want, placed in the shard's
-    block of sequences (blocks padded to one size with the block's first): -> (sequence names, source per row)."""
+    block of sequences: its resumed rows' sequences ("r" names) first, padded to `carrying` (a power of two, the same
+    for every shard, at least N / dp / 16; 0 when no shard has one), then its prompts, padded to a power of two (padding repeats a name
+    of the block; no row continues it): -> (sequence names, source per row, carrying). The prefill runs the two
+    parts apart (decode_pool: only the first `carrying` of a block take the carried positions)."""
     n = N // dp
     blocks = [list(dict.fromkeys(wanted[q * n:(q + 1) * n])) or [wanted[0]] for q in range(dp)]
-    width = 1 << (max(map(len, blocks)) - 1).bit_length()  # a power of two: fewer distinct programs across calls
+    parts = [([x for x in b if x[0] == "r"], [x for x in b if x[0] != "r"]) for b in blocks]
+    pow2 = lambda k: 1 << (k - 1).bit_length() if k else 0  # fewer distinct programs across calls
+    carried = max(len(r) for r, _ in parts)  # at least n / 16 when any: a pool's carried rows vary call to call
+    carrying, fresh = pow2(max(carried, -(-n // 16)) if carried else 0), max(1, pow2(max(len(p) for _, p in parts)))
     names, source_N = [], np.zeros(N, np.int32)
-    for q, block in enumerate(blocks):
-        local = {name: i for i, name in enumerate(block)}
-        source_N[q * n:(q + 1) * n] = [q * width + local.get(name, 0) for name in wanted[q * n:(q + 1) * n]] + \
+    for q, (r, p) in enumerate(parts):
+        block = r + (r or p)[:1] * (carrying - len(r)) + p + (p or r)[:1] * (fresh - len(p))
+        local = {**{name: i for i, name in enumerate(r)}, **{name: carrying + i for i, name in enumerate(p)}}
+        width = carrying + fresh
+        source_N[q * n:(q + 1) * n] = [q * width + local[name] for name in wanted[q * n:(q + 1) * n]] + \
             [q * width] * max(0, (q + 1) * n - max(q * n, len(wanted)))  # filler rows: the block's first
-        names += block + block[:1] * (width - len(block))
-    return names, source_N
+        names += block
+    return names, source_N, carrying
 
 
 def _keys(seeds: list, key: jax.Array) -> np.ndarray:
@@ -150,10 +161,11 @@ def layout(prompts: list, G: int, limits: list, resumed: Sequence[Resumed], max_
             padded += 1
         N = padded * G
         sequences, source_N = prompts + [prompts[0]] * (padded - B), np.arange(N, dtype=np.int32) // G
-        carried = [[] for _ in sequences]
+        carried, carrying = [[] for _ in sequences], 0
     else:  # resumed rows first: they take the slots before the fresh rows (a row that waits, waits as a fresh one)
         N = -(-max(B * G + R, min_rows) // dp) * dp
-        names, source_N = _shard_sequences([("r", i) for i in range(R)] + [("p", n // G) for n in range(B * G)], N, dp)
+        names, source_N, carrying = _shard_sequences([("r", i) for i in range(R)] + [("p", n // G) for n in range(B * G)],
+                                                     N, dp)
         sequences = [prompts[i] if kind == "p" else [*map(int, resumed[i].prompt)] for kind, i in names]
         carried = [[] if kind == "p" else [*map(int, resumed[i].tokens)] for kind, i in names]
     tokens_NxC, logp_NxC = np.full((N, C), pad_id, np.int32), np.zeros((N, C), np.float32)
@@ -170,7 +182,8 @@ def layout(prompts: list, G: int, limits: list, resumed: Sequence[Resumed], max_
     seeds = [r.key for r in resumed] + [None] * (N - R)
     rows = Rows(source_N, start_N, id_N, group_N, _keys(seeds, key))
     output = np.concatenate([np.arange(R, R + B * G), np.arange(R)]).astype(np.int32)  # fresh rows out first
-    return Layout(sequences, carried, tokens_NxC, logp_NxC, limit_N, rows, B * G + R, B + len(labels), output)
+    return Layout(sequences, carried, tokens_NxC, logp_NxC, limit_N, rows, B * G + R, B + len(labels), output,
+                  carrying)
 
 
 def interrupted(out, prompts: Sequence[Sequence[int]], seed, num_samples: int = 1,

@@ -196,9 +196,7 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     plan = SamplerPlan(num_samples=num_samples, new_bucket=C, greedy=greedy,
                        top_k=0 if greedy or top_k >= cfg.vocab_size else top_k, use_top_p=not greedy and top_p < 1,
                        use_min_p=not greedy and min_p > 0, mesh=mesh, slots=S, stop_early=stop_after_groups is not None,
-                       carried=Cc,
-                       # a call that stops at its groups ends before the long tail the fine widths are for: halves
-                       stages=stage_widths(S, dp, 0) if stop_after_groups is not None else None,
+                       carried=Cc, carrying=rows.carrying if Cc else 0,
                        unstack_layers=jax.default_backend() == "cpu" if unstack_layers is None else bool(unstack_layers))
     per_row = (rows.tokens_NxC, rows.logp_NxC, rows.limit_N, rows.rows)  # host arrays, the keys as their raw data
     sequences = _left_pad(rows.sequences, P, pad_id, rows.carried, Cc)

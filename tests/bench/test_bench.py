@@ -288,3 +288,7 @@ def test_rl_step_steady_runs_on_policy_and_partial_rollouts_side_by_side():
     assert on["gen_vs_on_policy"] == 1.0 and on["carried_rows"] == 0 and on["token_lag"] == 0
     assert part["gen_tokens_per_s"] > 0 and part["trained_tokens_per_s"] > 0 and part["steps"] == 2
     assert part["prefill_carry_s"] >= 0 and 0 <= part["reprefill_frac"]
+    assert on["gen_ceiling_vs_on_policy"] > 0 and on["trained_ceiling_vs_on_policy"] > 0
+    # the ceiling's static batch: twice the mean position of a generated token (1, 2, 3: positions 0; 0, 1; 0, 1, 2)
+    assert rl_steady.ceiling_length(np.array([1, 2, 3])) == round(2 * 4 / 6) == 1
+    assert rl_steady.ceiling_length(np.array([512] * 4)) == 511

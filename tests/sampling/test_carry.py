@@ -58,6 +58,11 @@ def test_layout_keeps_each_shards_rows_on_its_own_sequences():
         assert mixed.rows.source_N[n] // (B // 4) == n // (N // 4)
         source = mixed.rows.source_N[n]
         assert (mixed.sequences[source], mixed.carried[source]) == wanted[n]
+    # a block: its resumed rows' sequences (padded to carrying, one power of two for all shards), then its prompts;
+    # only the first part is prefilled over the carried positions
+    assert plain.carrying == 0 and mixed.carrying == 4 and B == 4 * (4 + 1)
+    for n in range(12):
+        assert (mixed.rows.source_N[n] % (B // 4) < mixed.carrying) == (n < 3)
     np.testing.assert_array_equal(mixed.rows.start_N[:3], [3, 1, 0])
     np.testing.assert_array_equal(mixed.rows.id_N, [17, 2, 4] + list(range(9)))
     np.testing.assert_array_equal(mixed.rows.group_N, [3, 3, 4] + [0] * 3 + [1] * 3 + [2] * 3)
