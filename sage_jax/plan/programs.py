@@ -213,7 +213,7 @@ def sampler_plan(cfg, config, shapes: Shapes, mesh) -> sampler.SamplerPlan:
                   top_k=0 if greedy or ro.top_k >= cfg.vocab_size else ro.top_k, use_top_p=not greedy and ro.top_p < 1,
                   use_min_p=not greedy and ro.min_p > 0, mesh=mesh, unstack_layers=False,
                   slots=shapes.sampler_slots, stages=None,  # None: the pool's shrink stages, as generate runs it
-                  stop_early=False, carried=0)  # an on-policy call: no partial rollouts' carried rows
+                  stop_early=False, carried=0, carrying=0)  # an on-policy call: no carried rows
     fields = {f.name for f in dataclasses.fields(sampler.SamplerPlan)}
     if fields - static.keys():
         raise RuntimeError(f"sampler.SamplerPlan has fields {sorted(fields - static.keys())} that sage_jax.plan does not "
