@@ -132,8 +132,9 @@ def cached_attention(q_BxTxNxH, k_cache, v_cache, allowed_BxTxS, groups: int = 1
             out = _blocked_decode_attention(q, k_cache, v_cache, allowed, jnp.max(reads_B), groups, layer, dtype)
         else:  # rows by how far they read, each group of B / split to its own furthest row
             order_B, n = jnp.argsort(reads_B).astype(jnp.int32), B // split
+            groups_of_rows = (order_B[i * n:(i + 1) * n] for i in range(split))
             parts = [_blocked_decode_attention(q[rows], k_cache, v_cache, allowed[rows], reads_B[rows[-1]], 1, layer,
-                                               dtype, rows) for rows in (order_B[i * n:(i + 1) * n] for i in range(split))]
+                                               dtype, rows) for rows in groups_of_rows]
             out = jnp.zeros_like(q).at[order_B].set(jnp.concatenate(parts))
     else:
         k_BxKxSxH, v_BxKxSxH = (from_cache(cache_rows(c, B, groups, layer=layer), dtype) for c in (k_cache, v_cache))

@@ -101,10 +101,10 @@ def partial_schedule(lengths: np.ndarray, batch_groups: int, G: int, oversample:
     """Partial rollouts (training/partial.py) simulated on the host, on-policy versions (k = 0): `lengths` is the
     stream of completion lengths (G per prompt, in order). Per step: the call's sequences to prefill (fresh prompts,
     P wide, and carried rows: prompt, then its tokens so far in the generation positions they had: P + the carried
-    bucket wide), the rows it computes at each decode step
-    (B x G slots, carried rows first and the rest queued, narrowing by the sampler's stages once the queue is empty:
-    decode_batches on what each row has left), cut where the B-th group completes; the trained rows' lengths and the token lag (versions between drawing
-    a token and training it), the groups dropped."""
+    bucket wide), the rows it computes at each decode step (B x G slots, carried rows first and the rest queued,
+    narrowing by the sampler's stages once the queue is empty: decode_batches on what each row has left), cut where
+    the B-th group completes; the trained rows' lengths and the token lag (versions between drawing a token and
+    training it), the groups dropped."""
     target = max(batch_groups, math.ceil(oversample * batch_groups))
     slots = slots or batch_groups * G
     groups: list[dict] = []  # {"start": step, "total": [G], "drawn": [G], "when": [G lists of (step, tokens)]}

@@ -71,7 +71,7 @@ class Layout(NamedTuple):
     real_rows: int  # the rows returned: fresh rows, then resumed rows
     groups: int
     output: np.ndarray  # int32 [real_rows]: the program row of each returned row (resumed rows run first)
-    carrying: int = 0  # per data-parallel shard, the first sequences of its block that carry tokens in (the rest: prompts)
+    carrying: int = 0  # per data-parallel shard: the first sequences of its block carry tokens in (the rest: prompts)
 
 
 def row_keys(key: jax.Array, steps_B: jax.Array, rows_B: jax.Array) -> jax.Array:
@@ -114,9 +114,9 @@ def check_resumed(resumed: Sequence[Resumed], vocab: int, max_new_tokens: int, m
 def _shard_sequences(wanted: list, N: int, dp: int) -> tuple[list, np.ndarray, int]:
     """Each data-parallel shard's rows (N / dp each) continue the distinct sequences they want, placed in the shard's
     block of sequences: its resumed rows' sequences ("r" names) first, padded to `carrying` (a power of two, the same
-    for every shard, at least N / dp / 16; 0 when no shard has one), then its prompts, padded to a power of two (padding repeats a name
-    of the block; no row continues it): -> (sequence names, source per row, carrying). The prefill runs the two
-    parts apart (decode_pool: only the first `carrying` of a block take the carried positions)."""
+    for every shard, at least N / dp / 16; 0 when no shard has one), then its prompts, padded to a power of two
+    (padding repeats a name of the block; no row continues it): -> (sequence names, source per row, carrying). The
+    prefill runs the two parts apart (decode_pool: only the first `carrying` of a block take the carried positions)."""
     n = N // dp
     blocks = [list(dict.fromkeys(wanted[q * n:(q + 1) * n])) or [wanted[0]] for q in range(dp)]
     parts = [([x for x in b if x[0] == "r"], [x for x in b if x[0] != "r"]) for b in blocks]
@@ -164,8 +164,8 @@ def layout(prompts: list, G: int, limits: list, resumed: Sequence[Resumed], max_
         carried, carrying = [[] for _ in sequences], 0
     else:  # resumed rows first: they take the slots before the fresh rows (a row that waits, waits as a fresh one)
         N = -(-max(B * G + R, min_rows) // dp) * dp
-        names, source_N, carrying = _shard_sequences([("r", i) for i in range(R)] + [("p", n // G) for n in range(B * G)],
-                                                     N, dp)
+        wanted = [("r", i) for i in range(R)] + [("p", n // G) for n in range(B * G)]
+        names, source_N, carrying = _shard_sequences(wanted, N, dp)
         sequences = [prompts[i] if kind == "p" else [*map(int, resumed[i].prompt)] for kind, i in names]
         carried = [[] if kind == "p" else [*map(int, resumed[i].tokens)] for kind, i in names]
     tokens_NxC, logp_NxC = np.full((N, C), pad_id, np.int32), np.zeros((N, C), np.float32)
