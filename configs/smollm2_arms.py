@@ -102,7 +102,8 @@ def get_config(arg=None):
     ))
     _set(c, STUDY)
     if preset == "quick":
-        _set(c, QUICK)
-    _set(c, REGIME)
+        _set(c, QUICK)  # a smoke of smollm2_cpu:quick's schedule: the regime's steps and lr stay out of it
+    else:
+        _set(c, REGIME)
     _set(c, ARMS[arm])
     return c

@@ -185,6 +185,14 @@ def study(args, arms: Sequence[str], overrides: Sequence[str], command: str, ses
     print(f"wrote {os.path.join(args.out, 'RESULTS.md')}", flush=True)
 
 
+def candidate_settings(name: str, preset: str = "study") -> dict[str, Any]:
+    """A regime candidate's settings over the arms' config. They are relative to smollm2_cpu, so a frozen REGIME is
+    undone first (a rerun after the freeze still finds the candidates' committed runs)."""
+    mod = arms_module()
+    cpu = flat(config_lib.load(str(CPU_CONFIG) + (":quick" if preset == "quick" else "")).to_dict())
+    return {**{k: cpu[k] for k in mod.REGIME}, **mod.REGIME_CANDIDATES[name][0]}
+
+
 def regime(args, overrides: Sequence[str], command: str, session: Session) -> dict[str, Any]:
     """Each candidate (in order) on GRPO and the base with --seeds seeds (default 3), stopping at the first kept
     one unless --regime-all; writes regime.md and regime.json in --out."""
@@ -194,11 +202,8 @@ def regime(args, overrides: Sequence[str], command: str, session: Session) -> di
         raise ValueError(f"--candidates: unknown {', '.join(unknown)}; choose from {', '.join(mod.REGIME_CANDIDATES)}")
     seeds = args.seeds or 3
     found, costs, tried = {}, {}, []
-    # a candidate's settings are relative to smollm2_cpu: a frozen REGIME is undone first (so a rerun after the
-    # freeze still finds the candidates' committed runs)
-    cpu = flat(config_lib.load(str(CPU_CONFIG) + (":quick" if args.preset == "quick" else "")).to_dict())
     for name in names:
-        settings = {**{k: cpu[k] for k in mod.REGIME}, **mod.REGIME_CANDIDATES[name][0]}
+        settings = candidate_settings(name, args.preset)
         jobs = make_jobs(["base", "grpo"], seeds, args.preset, overrides, args.out, args.work, None,
                          sub=os.path.join("regime", name), settings=settings)
         costs[name] = smollm2_regime.rollouts(jobs[-1].config)

@@ -81,7 +81,7 @@ def test_seeds_per_arm_and_the_work_list():
 def test_fingerprint_tracks_what_changes_a_run():
     fp = lambda arm, *o, seed=0: smollm2_run.fingerprint(smollm2_run.load_config(arm, "study", list(o), seed))
     assert fp("grpo") == fp("grpo", "--config.model.path=/elsewhere", "--config.train.ckpt_every=8")
-    assert fp("grpo") != fp("grpo", "--config.optim.lr=5e-4") != fp("grpo", seed=1)
+    assert fp("grpo") != fp("grpo", "--config.optim.lr=1.5e-5") != fp("grpo", seed=1)
     # the base is evaluated only: RL settings leave it alone (the regime's candidates share one base), eval does not
     assert fp("base") == fp("base", "--config.optim.lr=5e-4", "--config.train.steps=16")
     assert fp("base") != fp("base", "--config.eval.n=16") and fp("base") != fp("grpo")
@@ -258,8 +258,9 @@ def test_regime_mode_stops_at_the_first_candidate_that_meets_the_rule(tmp_path, 
     out, work = tmp_path / "out", tmp_path / "work"
     mod = smollm2_run.arms_module()
     first, second = list(mod.REGIME_CANDIDATES)[:2]
+    settings = smollm2_study.candidate_settings(first)  # over a frozen REGIME too
     jobs = smollm2_study.make_jobs(["base", "grpo"], 3, "study", [], str(out), str(work), None,
-                                   sub=os.path.join("regime", first), settings=mod.REGIME_CANDIDATES[first][0])
+                                   sub=os.path.join("regime", first), settings=settings)
     # n = 32: GRPO's pass@1 rises while it loses the 3rd problem, which the base solves once in 32 (pass@32 falls)
     counts = {"base": {0: [10, 30, 1], 1: [11, 30, 1], 2: [10, 31, 1]},
               "grpo": {0: [20, 32, 0], 1: [22, 32, 0], 2: [21, 32, 0]}}
@@ -270,7 +271,7 @@ def test_regime_mode_stops_at_the_first_candidate_that_meets_the_rule(tmp_path, 
     found = json.loads((out / "regime.json").read_text())
     assert found["selected"] == first and found["meets_rule"] and list(found["candidates"]) == [first]
     text = (out / "regime.md").read_text()
-    assert f"Selected: **{first}**" in text and "REGIME = {}" in text
+    assert f"Selected: **{first}**" in text and f"REGIME = {mod.REGIME_CANDIDATES[first][0]!r}" in text
     assert not (out / "regime" / second).exists()  # never tried
 
 
