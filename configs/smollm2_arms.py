@@ -63,7 +63,8 @@ ARMS: dict[str, dict[str, Any]] = {
 SEEDS_PER_ARM = {"base": 5, "grpo": 5, "branch": 5, "nokl": 3, "top_entropy": 3}
 
 # The shared regime, frozen from `smollm2_study --regime` (regime.json's "selected") before any guided arm runs, and
-# never changed after a guide's results are seen. Empty: smollm2_cpu's 8 steps at lr 2e-4.
+# never changed after a guide's results are seen. Frozen 2026-12-04 (docs/results/smollm2_study/regime.md): none of
+# the 4 candidates met the rule; the closest, steps8_lr2e-4, is smollm2_cpu's own 8 steps at lr 2e-4, i.e. empty.
 REGIME: dict[str, Any] = {}
 
 # What the regime search tries on GRPO alone (at most 4), in the order it tries them (cheapest first): the settings
