@@ -93,11 +93,11 @@ def bench_rl_steady(preset: str = "small", dtype: str = "fp32", prompts: int = 8
     """`steps` consecutive RL steps after `warmup` ones, on-policy ("sage_jax") and with partial rollouts
     ("sage_jax_partial", one per `oversample`: "sage_jax_partial_2" for 2) interleaved step by step in one run, on a
     stream of prompts and forced long-tailed lengths; TRL's step (trl_steps after a warm-up, 0: none) interleaved
-    with them. Per impl (medians over the measured steps): generation-phase tokens/s (tokens drawn / sampling seconds), trained tokens/s (completion tokens trained
-    / step seconds), and for partial rollouts the carried rows, token lag and the re-prefill's share. The warm-up
-    steps compile the programs: partial rollouts' calls prefill carried rows in prompt buckets that grow with them
-    (a handful of programs, each compiled once per run); `compiled` counts the measured steps that still compiled
-    a sampler program."""
+    with them. Per impl (medians over the measured steps): generation-phase tokens/s (tokens drawn / sampling
+    seconds), trained tokens/s (completion tokens trained / step seconds), and for partial rollouts the carried rows,
+    token lag and the re-prefill's share. The warm-up steps compile the programs: partial rollouts' calls prefill
+    carried rows in prompt buckets that grow with them (a handful of programs, each compiled once per run);
+    `compiled` counts the measured steps that still compiled a sampler program."""
     cfg = common.preset_config(preset, dtype)
     params = common.init_params(cfg, seed)
     B, N = prompts, prompts * group
