@@ -55,6 +55,9 @@ def get_config(arg=None):
         # decode slots (sage_jax.sampling.sampler): None = one per row (a static batch); N = N rows decode at once, the rest
         # queue for a slot; "auto" = as many as fit the accelerator's free memory
         slots=None,
+        # the decode attention (sage_jax.models.decode_forms): "auto" = the platform's (XLA:CPU blocked reads; TPU and
+        # GPU a Pallas kernel that reads each row's live positions), or force "blocked", "one_pass" or "kernel"
+        decode_attention="auto",
         # partial rollouts (sage_jax/training/partial.py): the sampler returns once the step's groups are complete and
         # the rows still running carry into the next step's call; oversample x prompts_per_step groups are kept in
         # flight; a group whose first token is more than max_lag policy versions older than the step that would train

@@ -10,6 +10,7 @@
   python -m sage_jax.bench memory                                           # chunked vs naive log-probs
   python -m sage_jax.bench scaling --plot docs/perf_scaling.png
   python -m sage_jax.bench gpu --out gpu_bench.json                         # on an accelerator (--quick: any)
+  python -m sage_jax.bench gpu_decode --baseline-commit 8fc7f94 --out F.json  # the decode path's GPU check
   python -m sage_jax.bench lora memory --devices 32
   python -m sage_jax.bench decode_kernels                                   # where XLA:CPU's decode time goes
   python -m sage_jax.bench score_time                                       # the math reward's host cost
@@ -51,7 +52,7 @@ def _lazy(module: str) -> Callable[[list[str]], list[dict]]:
 # modes with flags of their own: argv -> rows
 OWN_FLAGS: dict[str, Callable[[list[str]], list[dict]]] = {
     "gpu": gpu.main, "lora": lora.main, "decode_kernels": _lazy("decode_kernels"), "score_time": _lazy("score_time"),
-    "offpolicy": _lazy("offpolicy")}
+    "offpolicy": _lazy("offpolicy"), "gpu_decode": _lazy("gpu_decode")}
 ALL_TRAINING = ("matmul", "train_step", "rl_step", "memory", "scaling")  # what `all` runs after the sampler
 
 

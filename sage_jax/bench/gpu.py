@@ -64,12 +64,13 @@ def bench_train(cfg: model.ModelConfig, rows: int, seq: int, completion: int, gr
 
 
 def bench_sampler(cfg: model.ModelConfig, batch: int, prompt_len: int, new_tokens: int, num_samples: int,
-                  peak: float, repeats: int) -> dict:
-    """sampler.generate of batch rows (batch / num_samples prompts), every row to new_tokens (EOS ignored)."""
+                  peak: float, repeats: int, attention: str = "auto") -> dict:
+    """sampler.generate of batch rows (batch / num_samples prompts), every row to new_tokens (EOS ignored), the
+    decode attention in form `attention` (models.decode_forms)."""
     params = common.init_params(cfg)
     prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch // num_samples, prompt_len)).tolist()
     fn = lambda: sampler.generate(cfg, params, prompts, max_new_tokens=new_tokens, temperature=1.0, eos_ids=(),
-                                  num_samples=num_samples, seed=0).tokens
+                                  num_samples=num_samples, seed=0, decode_attention=attention).tokens
     seconds = _median_seconds(fn, repeats)
     model_flops = flops.decode_flops(cfg, batch // num_samples, num_samples, prompt_len, new_tokens)
     return {"bench": "sampler", "batch": batch, "num_samples": num_samples, "prompt_len": prompt_len,
@@ -129,17 +130,18 @@ def main(argv: list[str]) -> list[dict]:
 
 
 def decode_block_rows(cfg, shapes, blk: int, peak: float, repeats: int) -> list[dict]:
-    """The sampler shapes with kv_cache's decode attention forced into blocks of `blk` slots (0: one pass), on any
-    platform; the sampler's programs are retraced under it and the shipped choice is restored after."""
+    """The sampler shapes with the decode attention forced into blocks of `blk` slots (0: one pass), on any
+    platform; the sampler's programs are retraced under it and the shipped block size is restored after."""
     from sage_jax.models import kv_cache
-    shipped = kv_cache.DECODE_BLOCK, kv_cache.ONE_PASS_PLATFORMS
+    shipped = kv_cache.DECODE_BLOCK
     rows = []
     try:
-        kv_cache.DECODE_BLOCK, kv_cache.ONE_PASS_PLATFORMS = (blk or 1 << 30), frozenset()
+        kv_cache.DECODE_BLOCK = blk or shipped
         jax.clear_caches()
         for batch, prompt_len, new_tokens, g in shapes:
-            rows.append(bench_sampler(cfg, batch, prompt_len, new_tokens, g, peak, repeats) | {"decode_block": blk})
+            rows.append(bench_sampler(cfg, batch, prompt_len, new_tokens, g, peak, repeats,
+                                      "blocked" if blk else "one_pass") | {"decode_block": blk})
     finally:
-        kv_cache.DECODE_BLOCK, kv_cache.ONE_PASS_PLATFORMS = shipped
+        kv_cache.DECODE_BLOCK = shipped
         jax.clear_caches()
     return rows

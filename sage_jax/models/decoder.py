@@ -79,7 +79,7 @@ def _project(lp: Params, name: str, equation: str, x: jax.Array, cdt) -> jax.Arr
 
 
 def _block(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, allowed_BxTxS, kv_cache=None, cache_index=None,
-           segment_ids_BxT=None, cache_groups: int = 1, cache_layer=None):
+           segment_ids_BxT=None, cache_groups: int = 1, cache_layer=None, forms=None):
     """One decoder layer. With kv_cache=(k, v) [B,K,S,H] (or stacked [L,B,K,S,H], of which it reads and writes layer
     cache_layer), writes this step's keys at cache_index. Without a cache,
     attention is within segment_ids (attention.attend, cfg.attention) when given, else under allowed_BxTxS."""
@@ -97,9 +97,9 @@ def _block(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, allowed_BxTxS, 
     inv_freq, scale = rope_frequencies(cfg)
     q, k = rope_lib.apply(q, positions_BxT, inv_freq, scale), rope_lib.apply(k, positions_BxT, inv_freq, scale)
     if kv_cache is not None:
-        kv_cache = tuple(cache_lib.write(c, x, cache_index, cache_groups, cache_layer)
+        kv_cache = tuple(cache_lib.write(c, x, cache_index, cache_groups, cache_layer, forms)
                          for c, x in zip(kv_cache, (k, v)))
-        attn = cache_lib.cached_attention(q, *kv_cache, allowed_BxTxS, cache_groups, cache_layer, cdt)
+        attn = cache_lib.cached_attention(q, *kv_cache, allowed_BxTxS, cache_groups, cache_layer, cdt, forms)
     elif segment_ids_BxT is not None:
         attn = attention_lib.attend(cfg.attention, q, k, v, segment_ids_BxT, cfg.attention_block)
     else:
@@ -244,19 +244,22 @@ def unstack_layers(cfg: ModelConfig, params: Params) -> Params:
     return {**params, "layers": _layer_list(cfg, params["layers"])}
 
 
-def prefill(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, mask_BxT: jax.Array, dtype: str | None = None):
-    """The prompts' forward into a new stacked cache of exactly their T slots (kv_cache.init_cache(cfg, B, T, dtype,
-    stacked=True)): (final-normed hidden [B, T, D], the cache), one layer at a time as forward_with_cache runs a
-    stacked cache."""
+def prefill(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, mask_BxT: jax.Array, dtype: str | None = None,
+            stacked: bool = True, forms=None):
+    """The prompts' forward into a new cache of exactly their T slots (kv_cache.init_cache(cfg, B, T, dtype,
+    stacked)): (final-normed hidden [B, T, D], the cache); a stacked cache one layer at a time, as
+    forward_with_cache runs one."""
     B, T = tokens_BxT.shape
-    cache = tuple(constrain(c, cache_axes(stacked=True)) for c in init_cache(cfg, B, T, dtype, stacked=True))
+    cache = init_cache(cfg, B, T, dtype, stacked=stacked)
+    cache = tuple(constrain(c, cache_axes(stacked=True)) for c in cache) if stacked else \
+        [tuple(constrain(c, cache_axes()) for c in kv) for kv in cache]
     return forward_with_cache(cfg, params, tokens_BxT, default_positions(mask_BxT), cache, 0, mask_BxT,
-                              return_hidden=True)
+                              return_hidden=True, forms=forms)
 
 
 def forward_with_cache(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, positions_BxT: jax.Array,
                        cache, cache_index: jax.Array, kv_mask_BxS: jax.Array, return_hidden: bool = False,
-                       cache_groups: int = 1):
+                       cache_groups: int = 1, forms=None):
     """Run T new tokens written at cache slots [cache_index, cache_index + T).
 
     params["layers"] may be stacked or a list of per-layer dicts (unstack_layers). cache is one (k, v) pair per layer
@@ -265,7 +268,8 @@ def forward_with_cache(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, 
     kv_mask_BxS marks which cache slots hold real tokens (after this step's tokens are added); query t of row b may
     attend to slot s when kv_mask[b, s] and s <= cache_index[b] + t, and always to its own slot. A cache of more
     rows than B (decoding, T = 1) is used in the rows cache_rows(c, B, cache_groups) names; the others are kept as
-    they are. Returns (logits [B,T,V] fp32 or hidden, new cache).
+    they are. forms: the decode program's forms (decode_forms; default the running backend's). Returns (logits
+    [B,T,V] fp32 or hidden, new cache).
     """
     slots_S = jnp.arange(kv_mask_BxS.shape[1])
     query_slots_bxT = jnp.reshape(cache_index, (-1, 1)) + jnp.arange(tokens_BxT.shape[1])  # b = 1 or B
@@ -273,7 +277,7 @@ def forward_with_cache(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, 
     allowed = allowed | (slots_S[None, None, :] == query_slots_bxT[:, :, None])
     x = _embed(cfg, params, tokens_BxT)
     block = functools.partial(_block, cfg, positions_BxT=positions_BxT, allowed_BxTxS=allowed, cache_index=cache_index,
-                              cache_groups=cache_groups)
+                              cache_groups=cache_groups, forms=forms)
     if isinstance(cache, list):
         new_cache = []
         for i, lp in enumerate(_layer_list(cfg, params["layers"])):

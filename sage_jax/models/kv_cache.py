@@ -4,11 +4,11 @@ A cache is either one (k, v) pair per layer, each [R, K, S, H] (rows, kv heads, 
 one stacked pair, each [R, L, K, S, H] (init_cache(..., stacked=True): a row's layers side by side, so the row
 groups of a data-parallel shard stay the leading axis and a layer is a strided view, never a transposed copy).
 
-The sampler's slot pool holds a stacked cache, and its decode step loops over the layers (model.forward_with_cache),
-so the compiler holds one layer's weights, gathered and (on XLA:CPU) converted to float32, at a time. With a cache
-per layer the layers were unrolled, and XLA:CPU gathered every layer's weights at the start of each step: 5.7 GB per
-device beside a 3.76 GB cache for qwen7b_branch on 64 devices (docs/PERFORMANCE.md). Functions that take `layer`
-read and write layer `layer` of a stacked cache; with layer=None the cache is one layer's.
+Which layout the sampler's slot pool holds, and how a decode step reads it, is decode_forms' choice per platform: on
+XLA:CPU a stacked cache read in a loop over the layers (the compiler holds one layer's weights, gathered and
+converted to float32, at a time); on XLA:TPU and XLA:GPU a pair per layer with the layers unrolled (a stacked cache
+read at a loop-variable layer was copied whole into another layout in every layer iteration by XLA:TPU). Functions
+that take `layer` read and write layer `layer` of a stacked cache; with layer=None the cache is one layer's.
 """
 
 from __future__ import annotations
@@ -18,16 +18,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-DECODE_BLOCK = 64  # cache slots per step of the blocked decode attention (XLA:CPU, and XLA:TPU unmeasured)
-# Platforms whose decode step reads the whole cache in one pass instead: on one H200 (0.5B shape, bf16, 512 new
-# tokens) blocks of 64 slots ran at 0.37x, 0.73x and 0.36x the one-pass speed at 64, 256 and 1 rows
-# (docs/PERFORMANCE.md, GPU). XLA:CPU is the other way round: a long-tail run took 12.18 s in blocks, 15.59 s in one pass.
-ONE_PASS_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
-# On XLA:CPU the blocked decode attention sorts a batch's rows by how far they read and runs them in this many
-# groups, each group's blocks only as far as its own furthest row (one row group only: the pool on one data-parallel
-# shard). A partial-rollout call holds carried rows near their end beside fresh ones: its calls ran 1.25x faster
-# (7.5 s -> 6.0 s, docs/PERFORMANCE.md "Partial rollouts"); on-policy calls, whose rows read about as far, unchanged.
-POSITION_GROUPS = 4
+from sage_jax.models import decode_attention
+from sage_jax.models.decode_forms import DecodeForms, for_platform
+
+DECODE_BLOCK = 64  # cache slots per step of the blocked decode attention (decode_forms: XLA:CPU's form)
 # A KV cache of this dtype holds a 16-bit compute dtype's bits. The slot pool's cache is one: written, copied and
 # sliced as bits, it is never converted whole (XLA:TPU kept a uint16 copy beside a bfloat16 one of every layer's
 # cache, XLA:CPU float32 copies, when bf16 <-> uint16 bitcasts sat at the loops' boundaries).
@@ -80,7 +74,7 @@ def from_cache(c, cdt) -> jax.Array:
     return jax.lax.bitcast_convert_type(c, cdt) if c.dtype == BITS and cdt.itemsize == 2 else c.astype(cdt)
 
 
-def write(c, x_BxTxKxH, index, groups: int = 1, layer=None) -> jax.Array:
+def write(c, x_BxTxKxH, index, groups: int = 1, layer=None, forms: DecodeForms | None = None) -> jax.Array:
     """x written at cache positions [index, index + T): one index for all rows, or one per row ([B]: the decode
     slots of sampler's pool each have their own), a scatter of each row's T entries, into the rows cache_rows
     names when the cache has more rows than x (R > B; then T = 1); into layer `layer` of a stacked cache."""
@@ -91,7 +85,7 @@ def write(c, x_BxTxKxH, index, groups: int = 1, layer=None) -> jax.Array:
         return jax.lax.dynamic_update_slice(c, x_BxKxTxH[:, None], (0, layer, 0, index, 0))
     # A 16-bit float scatter is done in float32 by XLA:CPU, which then carries a float32 copy of the whole cache
     # through the decode loop (2x its bytes, plus the converts); the same bits scattered as uint16 are not.
-    two = c.dtype.itemsize == 2
+    two = c.dtype.itemsize == 2 and (forms is None or forms.cache_bits)
     bits = (lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16)) if two else (lambda a: a)
     R, B = c.shape[0], x_BxKxTxH.shape[0]
     split = lambda a, n: a.reshape(groups, n // groups, *a.shape[1:])
@@ -115,40 +109,53 @@ def write(c, x_BxTxKxH, index, groups: int = 1, layer=None) -> jax.Array:
     return jax.lax.bitcast_convert_type(out, c.dtype) if two else out
 
 
-def cached_attention(q_BxTxNxH, k_cache, v_cache, allowed_BxTxS, groups: int = 1, layer=None, dtype=None) -> jax.Array:
-    """Attention over a cache (R >= B rows: see cache_rows; a bits cache read as `dtype`, default the cache's):
-    (b, k) lead both operands, so XLA:CPU runs plain batched matmuls instead of transposing the whole cache every
-    decode step."""
+def cached_attention(q_BxTxNxH, k_cache, v_cache, allowed_BxTxS, groups: int = 1, layer=None, dtype=None,
+                     forms: DecodeForms | None = None) -> jax.Array:
+    """Attention over a cache (R >= B rows: see cache_rows; a bits cache read as `dtype`, default the cache's), in
+    the decode forms `forms` (default: the running backend's, decode_forms.for_platform): (b, k) lead both
+    operands, so XLA:CPU runs plain batched matmuls instead of transposing the whole cache every decode step."""
     B, T, N, H = q_BxTxNxH.shape
     K, S = k_cache.shape[-3], k_cache.shape[-2]
+    forms = forms or for_platform(jax.default_backend())
     dtype = jnp.dtype(dtype or v_cache.dtype)
     q = q_BxTxNxH.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4).reshape(B, K, (N // K) * T, H)
     allowed = jnp.tile(allowed_BxTxS, (1, N // K, 1))[:, None]  # rows ordered (g, t) like q
-    if T == 1 and S > DECODE_BLOCK and jax.default_backend() not in ONE_PASS_PLATFORMS:
+    if T == 1 and forms.attention == "kernel":  # each row's live slots only (one contiguous range per row)
+        k_BxKxSxH, v_BxKxSxH = (from_cache(cache_rows(c, B, groups, layer=layer), dtype) for c in (k_cache, v_cache))
+        out = decode_attention.attend(forms.platform, q.astype(dtype), k_BxKxSxH, v_BxKxSxH,
+                                      *decode_attention.live_range(allowed_BxTxS[:, 0]), forms.interpret)
+    elif T == 1 and S > DECODE_BLOCK and forms.attention == "blocked":
         reads_B = S - jnp.argmax(allowed_BxTxS[:, 0, ::-1], axis=-1)  # one past the last slot row b may read
-        split = POSITION_GROUPS if (groups == 1 and B % POSITION_GROUPS == 0 and B >= 4 * POSITION_GROUPS
-                                    and jax.default_backend() == "cpu") else 1
+        split = forms.position_groups
+        split = split if (groups == 1 and split > 1 and B % split == 0 and B >= 4 * split) else 1
         if split == 1:
-            out = _blocked_decode_attention(q, k_cache, v_cache, allowed, jnp.max(reads_B), groups, layer, dtype)
+            out = _blocked_decode_attention(q, k_cache, v_cache, allowed, jnp.max(reads_B), groups, layer, dtype,
+                                            forms)
         else:  # rows by how far they read, each group of B / split to its own furthest row
             order_B, n = jnp.argsort(reads_B).astype(jnp.int32), B // split
             groups_of_rows = (order_B[i * n:(i + 1) * n] for i in range(split))
             parts = [_blocked_decode_attention(q[rows], k_cache, v_cache, allowed[rows], reads_B[rows[-1]], 1, layer,
-                                               dtype, rows) for rows in groups_of_rows]
+                                               dtype, forms, rows) for rows in groups_of_rows]
             out = jnp.zeros_like(q).at[order_B].set(jnp.concatenate(parts))
     else:
         k_BxKxSxH, v_BxKxSxH = (from_cache(cache_rows(c, B, groups, layer=layer), dtype) for c in (k_cache, v_cache))
-        if T == 1:  # decoding: a multiply-sum reads the cache once; a matmul with N/K-row operands first repacks it
-            scores = _decode_scores(q, k_BxKxSxH)
+        if T == 1:
+            scores = _decode_scores(q, k_BxKxSxH, forms)
         else:
             scores = jnp.einsum("bkqh,bksh->bkqs", q, k_BxKxSxH, preferred_element_type=jnp.float32)
         scores = jnp.where(allowed, scores / math.sqrt(H), jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(v_BxKxSxH.dtype)
-        out = jnp.einsum("bkqs,bksh->bkqh", probs, v_BxKxSxH)
+        acc = jnp.float32 if forms.scores == "matmul" else None  # XLA:CPU: as it measured best, unchanged
+        out = jnp.einsum("bkqs,bksh->bkqh", probs, v_BxKxSxH, preferred_element_type=acc).astype(dtype)
     return out.reshape(B, K, N // K, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
-def _decode_scores(q_BxKxGxH, k_BxKxSxH) -> jax.Array:
+def _decode_scores(q_BxKxGxH, k_BxKxSxH, forms: DecodeForms) -> jax.Array:
+    """[B, K, G, S] float32 scores of one query per row. XLA:CPU: a multiply-and-sum in float32 reads the cache
+    once (a matmul with G-row operands first repacks it); TPU / GPU: a matmul on the matrix units, f32 accumulation."""
+    if forms.scores == "matmul":
+        return jnp.einsum("bkgh,bksh->bkgs", q_BxKxGxH.astype(k_BxKxSxH.dtype), k_BxKxSxH,
+                          preferred_element_type=jnp.float32)
     f32 = jnp.float32
     return jnp.sum(q_BxKxGxH[:, :, :, None].astype(f32) * k_BxKxSxH[:, :, None].astype(f32), axis=-1)
 
@@ -164,7 +171,7 @@ def _row_blocks(c, rows_n: jax.Array, start, length: int, layer) -> jax.Array:
 
 
 def _blocked_decode_attention(q_BxKxGxH, k_cache, v_cache, allowed_Bx1xGxS, end, groups: int, layer,
-                              dtype, rows_B: jax.Array | None = None) -> jax.Array:
+                              dtype, forms: DecodeForms, rows_B: jax.Array | None = None) -> jax.Array:
     """One query per row over the cache slots [0, end), DECODE_BLOCK at a time with a running softmax: a decode step
     reads the part of the cache written so far (of its own rows: cache_rows, or the cache rows rows_B), not all of
     it. A row's blocks past its own last slot are all masked and leave its sums as they are (exp(-inf) = 0, rescale
@@ -183,7 +190,7 @@ def _blocked_decode_attention(q_BxKxGxH, k_cache, v_cache, allowed_Bx1xGxS, end,
         ok = jax.lax.dynamic_slice_in_dim(allowed_Bx1xGxS, start, blk, axis=3) & (start + jnp.arange(blk) >= j * blk)
         k_blk, v_blk = (jax.lax.bitcast_convert_type(take(c), dtype) if c.dtype != dtype else take(c)
                         for c in (k_bits, v_bits))
-        scores = jnp.where(ok, _decode_scores(q_BxKxGxH, k_blk) / math.sqrt(H), -jnp.inf)
+        scores = jnp.where(ok, _decode_scores(q_BxKxGxH, k_blk, forms) / math.sqrt(H), -jnp.inf)
         new_max = jnp.maximum(max_BxKxG, jnp.max(scores, axis=-1))
         probs = jnp.where(ok, jnp.exp(scores - new_max[..., None]), 0.0)
         rescale = jnp.exp(max_BxKxG - new_max)

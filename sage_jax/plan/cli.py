@@ -46,6 +46,8 @@ def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--programs", default=",".join(memory.PROGRAMS),
                         help=f"memory programs to compile, comma-separated ({', '.join(memory.PROGRAMS)}); a subset "
                         "skips the prediction (e.g. sampler: its breakdown only)")
+    parser.add_argument("--decode-rows", default="", help="with --compiler tpu: the decode shapes judged (rows decoding "
+                        "at once, comma-separated; default the config's slots): one `decode:` line each")
     parser.add_argument("--json", default="", help="write the report as one JSON line to this file ('-': stdout)")
     args = parser.parse_args([a for a in argv if not a.startswith("--config.")])
     if args.topology and not re.fullmatch(r"[1-9]\d*(x[1-9]\d*){1,2}", args.topology):
@@ -55,6 +57,9 @@ def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     args.programs = tuple(p for p in args.programs.split(",") if p)
     if not args.programs or set(args.programs) - set(memory.PROGRAMS):
         parser.error(f"--programs {','.join(args.programs)!r}: name some of {', '.join(memory.PROGRAMS)}")
+    if not re.fullmatch(r"(\d+(,\d+)*)?", args.decode_rows) or "0" in args.decode_rows.split(","):
+        parser.error(f"--decode-rows {args.decode_rows!r}: write rows as positive integers, e.g. 64,256")
+    args.decode_rows = tuple(int(r) for r in args.decode_rows.split(",") if r)
     if args.compiler == "cpu" and args.devices > MAX_CPU_DEVICES:
         parser.error(f"--devices {args.devices}: XLA:CPU cannot simulate more than {MAX_CPU_DEVICES} devices in "
                      "this machine's memory; plan a pod with --compiler tpu (libtpu), or check a smaller mesh")
@@ -104,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory_gb = args.memory_gb or memory.CHIPS_GB[args.chip or "v5p"]
     report = memory.run(config, args.devices, memory_gb, layers=args.layers, do_compile=not args.no_compile,
                  config_name=args.config, compiler=args.compiler, chip=args.chip or "v5p", topology=args.topology,
-                 predict=not args.no_predict, cache_dir=args.cache or plan_cache.default_dir(), names=args.programs)
+                 predict=not args.no_predict, cache_dir=args.cache or plan_cache.default_dir(), names=args.programs,
+                 decode_rows=args.decode_rows)
     if args.compiler == "tpu" and not args.no_predict and report["prediction"]:  # the off-policy placements (phase_model: analytic)
         from sage_jax.models import build
         from sage_jax.plan import phase_check as plan_phases

@@ -209,10 +209,12 @@ def _compile_all(cfg, config, mesh, rules, shapes, layers: int, cache, names=PRO
 
 def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: int = 0, do_compile: bool = True,
         config_name: str = "", compiler: str = "cpu", chip: str = "v5p", topology: str = "",
-        predict: bool = True, cache_dir: str = "off", names: Sequence[str] = PROGRAMS) -> dict[str, Any]:
+        predict: bool = True, cache_dir: str = "off", names: Sequence[str] = PROGRAMS,
+        decode_rows: Sequence[int] = ()) -> dict[str, Any]:
     """The report: shapes, analytic and compiled per-device bytes, the peak phase and the verdict; with the TPU
     compiler also the roofline PREDICTION of the run (sage_jax.plan.roofline). cache_dir: sage_jax.plan.cache's.
-    names: the memory programs to compile (a subset answers for those only, with no prediction)."""
+    names: the memory programs to compile (a subset answers for those only, with no prediction). decode_rows: with
+    the TPU compiler, the decode shapes plan.decode judges (default: the config's slots)."""
     from sage_jax.models import sharding
     from sage_jax.plan import cache as plan_cache, programs as plan_programs, report as plan_report
     found, chips, compiler_info = _devices(compiler, chip, topology, devices)
@@ -251,6 +253,13 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
         costs = roofline.measure_costs(cfg, config, mesh, rules, shapes, cache=cache)
         print(f"  compiled the cost variants in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         prediction = roofline.predict(costs, cfg, config, shapes, chip, chips, len(found))
+    decode = []
+    if compiler == "tpu" and do_compile:
+        from sage_jax.plan import decode as plan_decode
+        t0 = time.perf_counter()
+        decode = plan_decode.lines(cfg, config, mesh, rules, shapes, decode_rows or (shapes.sampler_slots,), chip,
+                                   chips)
+        print(f"  compiled the decode checks in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     peak = phases.get(peak_phase, 0)
     report = {
         "config": config_name, "devices": len(found), "chips": chips, "compiler": compiler_info,
@@ -263,6 +272,6 @@ def run(config, devices: int = 0, memory_gb: float = CHIPS_GB["v5p"], layers: in
         "analytic": static, "programs": programs, "measured": measured, "resident": resident, "phases": phases,
         "peak_phase": peak_phase, "peak_bytes": peak, "lower_bound": not do_compile,
         "fits": not oom and peak <= memory, "headroom_bytes": memory - peak, "warnings": warnings,
-        "prediction": prediction, "cache": {"dir": cache.directory, "hits": cache.hits},
+        "prediction": prediction, "cache": {"dir": cache.directory, "hits": cache.hits}, "decode": decode,
     }
     return report | {"sampler_breakdown": plan_report.sampler_breakdown(report)}

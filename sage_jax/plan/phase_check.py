@@ -300,7 +300,7 @@ def placements_for(config, cfg, chip: str, chips: int, host_s: float | None = No
         host_s = HOST_S_PER_ROLLOUT * len(lengths) / max(1, config.train.reward_workers)
     tensor = int(config.mesh.shape[2]) if int(config.mesh.shape[2]) > 0 else 1
     splits = range(tensor, chips, tensor) if every_split else (chips // 4, chips // 2, 3 * chips // 4)
-    splits = [n for n in splits if n % tensor == 0]
+    splits = [n for n in splits if n % tensor == 0 and 0 < n < chips]  # one chip: no split placement
     # partial rollouts priced on a stream of such batches (rollout.oversample and max_lag as configured)
     stream = np.concatenate([wl.longtail_lengths(len(lengths), ro.max_new_tokens, seed + c) for c in range(40)])
     return phase_model.placements(cfg, ro.prompts_per_step, config.data.max_prompt_len, lengths, machine, chips, tensor,

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sage_jax.models import lora, decoder as model_lib, config as model_config, sharding
+from sage_jax.models import lora, decode_forms, decoder as model_lib, config as model_config, sharding
 from sage_jax.rl import objectives
 from sage_jax.sampling import sampler
 from sage_jax.training import state as train_state, trainer
@@ -205,13 +205,16 @@ def lower_ref_logprobs(cfg, config, ref_params, batch, shapes: Shapes):
     return lower_logprobs(cfg.replace(compute_dtype=config.model.ref_dtype), config, ref_params, batch, shapes)
 
 
-def sampler_plan(cfg, config, shapes: Shapes, mesh) -> sampler.SamplerPlan:
-    """The static settings sampler.generate picks for a rollout batch on an accelerator."""
+def sampler_plan(cfg, config, shapes: Shapes, mesh, forms=None) -> sampler.SamplerPlan:
+    """The static settings sampler.generate picks for a rollout batch on the mesh's devices (decode_forms: the
+    TPU's program for the TPU plan)."""
     ro = config.rollout
     greedy = ro.temperature == 0
+    forms = forms or decode_forms.for_platform(mesh.devices.flat[0].platform, ro.get("decode_attention", "auto"))
     static = dict(num_samples=ro.group_size, new_bucket=shapes.new_bucket, greedy=greedy,
                   top_k=0 if greedy or ro.top_k >= cfg.vocab_size else ro.top_k, use_top_p=not greedy and ro.top_p < 1,
-                  use_min_p=not greedy and ro.min_p > 0, mesh=mesh, unstack_layers=False,
+                  use_min_p=not greedy and ro.min_p > 0, mesh=mesh, unstack_layers=forms.unstack_layers,
+                  forms=forms,
                   slots=shapes.sampler_slots, stages=None,  # None: the pool's shrink stages, as generate runs it
                   stop_early=False, carried=0, carrying=0)  # an on-policy call: no carried rows
     fields = {f.name for f in dataclasses.fields(sampler.SamplerPlan)}
@@ -228,7 +231,7 @@ def rows_arg(shape, dtype, mesh, dp: int):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
 
 
-def lower_sampler(cfg, config, params, shapes: Shapes, mesh, num_eos: int = 4):
+def lower_sampler(cfg, config, params, shapes: Shapes, mesh, num_eos: int = 4, forms=None):
     """sampler.generate_program as sampler.generate calls it for one rollout batch (params: rollout_params)."""
     arg = functools.partial(rows_arg, mesh=mesh, dp=shapes.dp)
     B, P, N, C = shapes.sampler_prompts, shapes.prompt_len, shapes.sampler_rows, shapes.new_bucket
@@ -237,7 +240,7 @@ def lower_sampler(cfg, config, params, shapes: Shapes, mesh, num_eos: int = 4):
     rows = sampler.rows_lib.Rows(*(arg((N,), jnp.int32) for _ in range(4)),
                                  arg((N,), jax.eval_shape(lambda: jax.random.key(0)).dtype))  # one key per row
     per_row = [arg((N, C), jnp.int32), arg((N, C), jnp.float32), arg((N,), jnp.int32), rows]  # tokens, logp, limits
-    return sampler.generate_program.lower(cfg, sampler_plan(cfg, config, shapes, mesh), params,
+    return sampler.generate_program.lower(cfg, sampler_plan(cfg, config, shapes, mesh, forms), params,
                                            arg((B, P), jnp.int32), arg((B, P), jnp.bool_), *per_row, *scalars,
                                            arg((num_eos,), jnp.int32))
 
@@ -291,7 +294,7 @@ def decode_step_program(cfg, plan, params, last_N, cache, kv_mask_NxS, index, te
     N = last_N.shape[0]
     index_N = jnp.full((N,), index)
     h_Nx1xD, cache = model_lib.forward_with_cache(cfg, params, last_N[:, None], index_N[:, None], cache,
-                                                  index_N, kv_mask_NxS, return_hidden=True)
+                                                  index_N, kv_mask_NxS, return_hidden=True, forms=plan.forms)
     logits_NxV = model_lib.logits_from_hidden(cfg, params, h_Nx1xD)[:, 0]
     keys_N = sampler.row_keys(key, index_N, jnp.arange(N, dtype=jnp.int32))
     tok_N, logp_N = sampler.sample_tokens(logits_NxV, keys_N, greedy=plan.greedy,
@@ -301,22 +304,27 @@ def decode_step_program(cfg, plan, params, last_N, cache, kv_mask_NxS, index, te
     return tok_N, logp_N, sampler.constrain_cache(cache)
 
 
-def cost_lowerers(cfg, config, mesh, rules, shapes: Shapes, state, ref, tx, schedule) -> dict[str, Any]:
-    """name -> (rows -> the lowered cost variant of that program on `rows` rows); cfg is already a cost variant.
-    Call under jax.set_mesh(mesh) and sharding.use_rules."""
+def decode_step_lowering(cfg, config, mesh, rules, shapes: Shapes, rollout, rows: int):
+    """decode_step_program lowered for `rows` slots over the whole cache, one (k, v) pair per layer (the layout
+    decode_forms gives TPUs and GPUs; the cost variants' layers are unrolled). Call under jax.set_mesh(mesh) and
+    sharding.use_rules(rules)."""
     arg = functools.partial(rows_arg, mesh=mesh, dp=shapes.dp)
-    P, S, dt = shapes.prompt_len, shapes.cache_len, jnp.dtype(cfg.compute_dtype)
+    S, dt = shapes.cache_len, jnp.dtype(cfg.compute_dtype)
     spec = sharding.logical_to_spec(model_lib.cache_axes(), rules)
+    shape = (rows, cfg.num_kv_heads, S, cfg.head_dim)
+    sh = NamedSharding(mesh, spec if _divides(shape, spec, mesh) else PartitionSpec())  # as sharding.constrain
+    cache = [(jax.ShapeDtypeStruct(shape, dt, sharding=sh),) * 2 for _ in range(cfg.num_layers)]
     key = arg((), jax.eval_shape(lambda: jax.random.key(0)).dtype)
     f32 = arg((), jnp.float32)
+    return decode_step_program.lower(cfg, sampler_plan(cfg, config, shapes, mesh), rollout, arg((rows,), jnp.int32),
+                                     cache, arg((rows, S), jnp.bool_), arg((), jnp.int32), f32, f32, f32, key)
 
-    def cache(rows):
-        shape = (rows, cfg.num_kv_heads, S, cfg.head_dim)
-        sh = NamedSharding(mesh, spec)
-        if not _divides(shape, spec, mesh):  # as sharding.constrain: a layout that does not divide is skipped
-            sh = NamedSharding(mesh, PartitionSpec())
-        return [(jax.ShapeDtypeStruct(shape, dt, sharding=sh),) * 2 for _ in range(cfg.num_layers)]
 
+def cost_lowerers(cfg, config, mesh, rules, shapes: Shapes, state, ref, tx, schedule) -> dict[str, Any]:
+    """name -> (rows -> the lowered cost variant of that program on `rows` rows); cfg is already a cost variant.
+    Call under jax.set_mesh(mesh) and sharding.use_rules(rules)."""
+    arg = functools.partial(rows_arg, mesh=mesh, dp=shapes.dp)
+    P = shapes.prompt_len
     policy = policy_params(config, state, ref)
     rollout = rollout_params(cfg, policy)
     lowerers = {
@@ -326,9 +334,7 @@ def cost_lowerers(cfg, config, mesh, rules, shapes: Shapes, state, ref, tx, sche
         "prefill": lambda r: prefill_program.lower(cfg, rollout, arg((r, P), jnp.int32),
                                                    arg((r, P), jnp.bool_), num_samples=config.rollout.group_size,
                                                    new_bucket=shapes.new_bucket),
-        "decode_step": lambda r: decode_step_program.lower(
-            cfg, sampler_plan(cfg, config, shapes, mesh), rollout, arg((r,), jnp.int32), cache(r),
-            arg((r, S), jnp.bool_), arg((), jnp.int32), f32, f32, f32, key),
+        "decode_step": lambda r: decode_step_lowering(cfg, config, mesh, rules, shapes, rollout, r),
     }
     if needs_old_logprobs(config):
         lowerers["old_logprobs"] = lambda r: lower_logprobs(cfg, config, policy, abstract_batch(config, shapes, r, mesh),

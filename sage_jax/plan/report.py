@@ -107,4 +107,6 @@ def format_report(r: dict[str, Any]) -> str:
     if r.get("prediction"):
         from sage_jax.plan import roofline
         lines += ["", roofline.format_prediction(r["prediction"])]
+    if r.get("decode"):  # plan.decode: copies counted in the compiled loop body; the rate a PREDICTION
+        lines += [""] + [d["text"] for d in r["decode"]]
     return "\n".join(lines)

@@ -193,6 +193,8 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("rollout.min_p", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("rollout.slots", lambda v: v is None or v in ("auto", "all") or (str(v).isdigit() and int(v) >= 1),
      "an integer >= 1 (decode slots), 'auto' (as many as fit) or 'all' / None (one per row)"),
+    ("rollout.decode_attention", lambda v: v in ("auto", "blocked", "one_pass", "kernel"),
+     "'auto' (the platform's), 'blocked', 'one_pass' or 'kernel' (sage_jax.models.decode_forms)"),
     ("rollout.partial", lambda v: isinstance(v, bool), "True or False (partial rollouts)"),
     ("rollout.oversample", lambda v: v >= 1, ">= 1 (groups kept in flight per group trained)"),
     ("rollout.max_lag", lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (policy versions)"),

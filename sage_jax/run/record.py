@@ -26,7 +26,8 @@ log = pylogging.getLogger("sage_jax")
 # What a resume may change: how long to train, how often to save / evaluate / log, what the evaluations measure,
 # where the data lives, and how the same computation is laid out on the devices or cut into passes (memory and
 # speed, not the numbers): mesh, attention kernel, remat, logits chunk, log-prob rows, micro-batches, packing,
-# reward workers and their limits, decode slots (rollout.slots: the sampler's outputs do not depend on them), and
+# reward workers and their limits, decode slots (rollout.slots: the sampler's outputs do not depend on them), the
+# decode attention's form (the same attention, rounded as each form rounds), and
 # the evaluation sets (data.eval, data.eval_problems, the generated ones' sizes and ranges: no training set depends
 # on them). Note that train.steps also sets the length of a cosine learning-rate schedule and of the loss schedules
 # (objectives.LossConfig total_steps), so more steps reshape those schedules' tails.
@@ -35,6 +36,7 @@ MAY_CHANGE = ("train.steps", "train.ckpt_every", "train.keep_ckpts", "train.eval
               "train.reward_timeout", "train.reward_memory_mb", "train.logprob_rows", "train.packing",
               "train.allow_config_change", "eval.*", "mesh.*", "model.attention", "model.remat",
               "model.logits_chunk", "optim.grad_accum", "data.data_dir", "sft.ckpt_every", "rollout.slots",
+              "rollout.decode_attention",
               "data.eval", "data.eval_problems", "data.num_eval", "data.ood_num_numbers", "data.ood_max_number")
 # where the model is read from may change when the checkpoint recorded a fingerprint of the weights it loaded
 # (meta "model" "weights_fingerprint", compared by Checkpointer.check_model before this check: an RL run's reference

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from sage_jax.models import kv_cache
+from sage_jax.models.decode_forms import DecodeForms, for_platform
 from sage_jax.models import decoder as model_lib
 from sage_jax.models import sharding as sharding_lib
 from sage_jax.models.decoder import ModelConfig, Params
@@ -59,6 +60,7 @@ class SamplerPlan:
     # the first `carrying` sequences of each data-parallel shard's block carry tokens in (rows.Layout.carrying): only
     # they are prefilled over the carried positions, the others over the prompt bucket (0: every sequence over both)
     carrying: int = 0
+    forms: DecodeForms | None = None  # the decode program's forms (decode_forms; None: the running backend's)
 
 
 def constrain_cache(cache):
@@ -86,6 +88,9 @@ class _Pool(NamedTuple):
     cache: list
     next_row: jax.Array  # [Q]: each queue group's rows below it have had a slot (or stopped at their first token)
     steps: jax.Array  # decode steps run, the prefill's token counted as the first
+    # data-dependent loop iterations and branches (each a host round trip on XLA:GPU): decode-loop iterations,
+    # refill predicates, prompt-copy iterations, shrink moves
+    loops: jax.Array
 
 
 # Completions shorter than this take only halving widths: on CPU a width's decode loop body compiles in about the
@@ -129,19 +134,21 @@ def _copy_prompts(cache: tuple, prompt_cache: tuple, slots_QxK: jax.Array, promp
     Q = slots_QxK.shape[0]
 
     def one(k, cache):
-        def put(c_RxLxKxTxH, pc_BxLxKxPxH):
+        def put(c_RxLxKxTxH, pc_BxLxKxPxH):  # a stacked cache; a cache per layer drops the L axis
+            at = lambda s: (s,) + (0,) * (c_RxLxKxTxH.ndim - 1)
+
             def group(c1, pc1, s, p, live):
                 row = jax.lax.dynamic_slice_in_dim(pc1, p, 1, 0)
                 if Q > 1:  # groups that copied all theirs rewrite a slot's own entries
-                    row = jnp.where(live, row, jax.lax.dynamic_slice(c1, (s, 0, 0, 0, 0), row.shape))
-                return jax.lax.dynamic_update_slice(c1, row, (s, 0, 0, 0, 0))
+                    row = jnp.where(live, row, jax.lax.dynamic_slice(c1, at(s), row.shape))
+                return jax.lax.dynamic_update_slice(c1, row, at(s))
             if Q == 1:
                 return group(c_RxLxKxTxH, pc_BxLxKxPxH, slots_QxK[0, k], prompts_QxK[0, k], True)
             split = lambda a: a.reshape(Q, -1, *a.shape[1:])
             out = jax.vmap(group)(split(c_RxLxKxTxH), split(pc_BxLxKxPxH), slots_QxK[:, k], prompts_QxK[:, k],
                                   k < count_Q)
             return out.reshape(c_RxLxKxTxH.shape)
-        return tuple(put(c, pc) for c, pc in zip(cache, prompt_cache))
+        return jax.tree.map(put, cache, prompt_cache)
     # a 16-bit cache is held as bits (model.BITS), so these copies move uint16, never a float32 copy on XLA:CPU
     return jax.lax.fori_loop(0, jnp.max(count_Q), one, cache)
 
@@ -165,7 +172,7 @@ def _refill(pool: _Pool, done_N: jax.Array, out: _Out, prompt_cache: list, rows:
     token), in row order; Q = pool.next_row's length groups, each S / Q slots taking from N / Q rows (which continue
     sequences of the group's block of the prompt caches)."""
     N, S, Q = done_N.shape[0], pool.row_S.shape[0], pool.next_row.shape[0]
-    per_group = prompt_cache[0].shape[0] // Q
+    per_group = jax.tree.leaves(prompt_cache)[0].shape[0] // Q
     n, s = N // Q, S // Q
     busy_QxS = ((pool.row_S < N) & ~done_N[jnp.minimum(pool.row_S, N - 1)]).reshape(Q, s)
     rank_QxN = jnp.cumsum(_queued(pool, done_N), axis=1, dtype=jnp.int32)  # 1-based rank among queued rows
@@ -178,20 +185,21 @@ def _refill(pool: _Pool, done_N: jax.Array, out: _Out, prompt_cache: list, rows:
     order_QxS = jax.vmap(lambda g: jnp.nonzero(g, size=s, fill_value=0)[0])(got_QxS).astype(jnp.int32)  # refilled first
     source_QxS = rows.source_N[jnp.minimum(jnp.take_along_axis(row_QxS, order_QxS, axis=1), N - 1)]
     prompt_QxS = source_QxS - per_group * jnp.arange(Q, dtype=jnp.int32)[:, None]
-    cache = _copy_prompts(pool.cache, prompt_cache, order_QxS, prompt_QxS, jnp.sum(got_QxS, axis=1, dtype=jnp.int32))
+    count_Q = jnp.sum(got_QxS, axis=1, dtype=jnp.int32)
+    cache = _copy_prompts(pool.cache, prompt_cache, order_QxS, prompt_QxS, count_Q)
     row_S, got_S = row_QxS.reshape(S), got_QxS.reshape(S)
     start_S = rows.start_N[jnp.minimum(row_S, N - 1)]
     first_S = jnp.take_along_axis(out.tokens_NxC[jnp.minimum(row_S, N - 1)], start_S[:, None], axis=1)[:, 0]
     return pool._replace(row_S=row_S, pos_S=jnp.where(got_S, start_S + 1, pool.pos_S),
                          last_S=jnp.where(got_S, first_S, pool.last_S), cache=constrain_cache(cache),
-                         next_row=next_row)
+                         next_row=next_row, loops=pool.loops + jnp.max(count_Q))
 
 
 def _shrink(pool: _Pool, live_W: jax.Array, width: int, groups: int) -> _Pool:
     """The live slots of a pool of W into the first `width` (live first, in slot order), inside each of `groups`
     equal slot groups (the data-parallel shards: no row leaves its shard), moved within the one cache: slot j of a
     group takes its j-th live slot, whose index is >= j, so no slot is overwritten before it has moved."""
-    W, R = live_W.shape[0], pool.cache[0].shape[0]
+    W, R = live_W.shape[0], jax.tree.leaves(pool.cache)[0].shape[0]
     m, n = W // groups, width // groups
     order_gxn = jnp.argsort(~live_W.reshape(groups, m), axis=1, stable=True)[:, :n].astype(jnp.int32)
     pick = lambda a: jnp.take_along_axis(a.reshape(groups, m), order_gxn, axis=1).reshape(width)
@@ -201,15 +209,15 @@ def _shrink(pool: _Pool, live_W: jax.Array, width: int, groups: int) -> _Pool:
         def one(c):
             c_GxRxLxKxTxH = c.reshape(groups, R // groups, *c.shape[1:])
             row = take(c_GxRxLxKxTxH, order_gxn[:, j])
-            return jax.lax.dynamic_update_slice(c_GxRxLxKxTxH, row, (0, j, 0, 0, 0, 0)).reshape(c.shape)
-        return tuple(map(one, cache))
+            return jax.lax.dynamic_update_slice(c_GxRxLxKxTxH, row, (0, j) + (0,) * (c.ndim - 1)).reshape(c.shape)
+        return jax.tree.map(one, cache)
     # slots before the first that moves in any group keep their rows (passing through several widths at once,
     # the later shrinks move nothing)
     stays_n = jnp.all(order_gxn == jnp.arange(n, dtype=jnp.int32), axis=0)
     first = jnp.min(jnp.where(stays_n, n, jnp.arange(n, dtype=jnp.int32)))
     cache = jax.lax.fori_loop(first, n, move, pool.cache)  # bits, like every copy of the cache (model.BITS)
     return pool._replace(row_S=pick(pool.row_S), pos_S=pick(pool.pos_S), last_S=pick(pool.last_S),
-                         cache=constrain_cache(cache))
+                         cache=constrain_cache(cache), loops=pool.loops + n - first)
 
 
 class _Ctx(NamedTuple):
@@ -227,6 +235,7 @@ class _Ctx(NamedTuple):
     new_bucket: int
     groups: int  # data-parallel shards: the pool shrinks inside each
     stop_groups: jax.Array | None  # the loop ends once this many groups are complete (None: only when all are)
+    forms: DecodeForms
 
 
 def _done(ctx: _Ctx, out: _Out) -> jax.Array:
@@ -266,18 +275,20 @@ def _step(ctx: _Ctx, pool: _Pool, out: _Out) -> tuple[_Pool, _Out]:
     params, _ = jax.lax.optimization_barrier((ctx.params, pool.steps))
     h_Wx1xD, cache = model_lib.forward_with_cache(ctx.cfg, params, pool.last_S[:, None], positions_Wx1,
                                                   pool.cache, index_W, kv_mask_WxT, return_hidden=True,
-                                                  cache_groups=ctx.groups)
+                                                  cache_groups=ctx.groups, forms=ctx.forms)
     logits_WxV = model_lib.logits_from_hidden(ctx.cfg, params, h_Wx1xD)[:, 0]
     tok_W, logp_W = ctx.sample(logits_WxV, row_keys(ctx.rows.key_N[row_W], pool.pos_S, ctx.rows.id_N[row_W]))
     out = _record(ctx, out, pool.row_S, pool.pos_S, active_W, tok_W, logp_W)
     return pool._replace(pos_S=pool.pos_S + active_W, last_S=tok_W, cache=constrain_cache(cache),
-                         steps=pool.steps + 1), out
+                         steps=pool.steps + jnp.any(active_W)), out
 
 
 def _decode(ctx: _Ctx, pool: _Pool, out: _Out, prompt_cache: list, widths: tuple[int, ...]) -> tuple[_Pool, _Out]:
     """The decode loop, one while_loop per width: at the full width idle slots refill from the queue; once the
     queue is empty and every shard's live slots fit the next width, they move there (_shrink) and the loop goes on
-    computing only those. With ctx.stop_groups every loop also ends once that many groups are complete."""
+    computing only those. With ctx.stop_groups every loop also ends once that many groups are complete. Each
+    iteration runs ctx.forms.steps_per_loop steps (a slot freed inside one idles until its end: a row's tokens do
+    not depend on when it runs)."""
     for level, width in enumerate(widths):
         if level:
             pool = _shrink(pool, _active(ctx, pool, out), width, ctx.groups)
@@ -296,7 +307,10 @@ def _decode(ctx: _Ctx, pool: _Pool, out: _Out, prompt_cache: list, widths: tuple
             return go
 
         def body(carry, refill=level == 0):
-            pool, out = _step(ctx, *carry)
+            pool, out = carry
+            for _ in range(ctx.forms.steps_per_loop):  # XLA:GPU waits on the host once per iteration, not per step
+                pool, out = _step(ctx, pool, out)
+            pool = pool._replace(loops=pool.loops + 1 + refill)  # the loop's condition, and the refill's predicate
             if not refill:
                 return pool, out
             # most steps free no slot: they skip the refill's bookkeeping (ranks, searches, the copy loop)
@@ -318,17 +332,18 @@ def _gather_rows(x_B: jax.Array, source_N: jax.Array, Q: int) -> jax.Array:
 
 
 def _prefill(cfg: ModelConfig, params: Params, tokens_BxW: jax.Array, mask_BxW: jax.Array, P: int, dp: int,
-             carrying: int) -> tuple[jax.Array, tuple]:
-    """(each sequence's hidden state at its last real position [B, 1, D], the caches [B, L, K, W, H]) of sequences in
+             carrying: int, forms: DecodeForms) -> tuple[jax.Array, tuple]:
+    """(each sequence's hidden state at its last real position [B, 1, D], the caches [B, L, K, W, H], or one
+    [B, K, W, H] pair per layer as forms.stacked_cache says) of sequences in
     the prompt bucket P, then W - P carried positions. With `carrying`, the first `carrying` sequences of each of the
     dp blocks are prefilled over all W positions and the others over P (their carried positions are padding: a
     fresh prompt's prefill costs its bucket, not the longest carried row's), their caches padded to W."""
     B, W = tokens_BxW.shape
-    bits = kv_cache.BITS if jnp.dtype(cfg.compute_dtype).itemsize == 2 else None  # the caches as bits: never
-    # converted whole (BITS)
+    # the caches as bits where the platform's forms say so: never converted whole (kv_cache.BITS)
+    bits = kv_cache.BITS if jnp.dtype(cfg.compute_dtype).itemsize == 2 and forms.cache_bits else None
 
     def run(tokens, mask):  # the last real position: the prompt's (P - 1), or a sequence's last carried token's
-        h_BxTxD, cache = model_lib.prefill(cfg, params, tokens, mask, bits)
+        h_BxTxD, cache = model_lib.prefill(cfg, params, tokens, mask, bits, forms.stacked_cache, forms)
         last_B = P - 1 + jnp.sum(mask[:, P:], axis=-1, dtype=jnp.int32)
         return jnp.take_along_axis(h_BxTxD, last_B[:, None, None], axis=1), cache
     if W == P or not carrying or carrying * dp == B:
@@ -337,11 +352,11 @@ def _prefill(cfg: ModelConfig, params: Params, tokens_BxW: jax.Array, mask_BxW: 
     part = lambda a, lo, hi, cols: a.reshape(dp, w, W)[:, lo:hi, :cols].reshape(dp * (hi - lo), cols)
     h_c, cache_c = run(part(tokens_BxW, 0, carrying, W), part(mask_BxW, 0, carrying, W))
     h_f, cache_f = run(part(tokens_BxW, carrying, w, P), part(mask_BxW, carrying, w, P))
-    pad = lambda c: jnp.pad(c, [(0, 0)] * 3 + [(0, W - P), (0, 0)])
+    pad = lambda c: jnp.pad(c, [(0, 0)] * (c.ndim - 2) + [(0, W - P), (0, 0)])
     merge = lambda a, b: jnp.concatenate([a.reshape(dp, carrying, *a.shape[1:]), b.reshape(dp, w - carrying,
                                                                                         *b.shape[1:])],
                                          axis=1).reshape(B, *a.shape[1:])
-    return merge(h_c, h_f), tuple(merge(c, pad(f)) for c, f in zip(cache_c, cache_f))
+    return merge(h_c, h_f), jax.tree.map(lambda c, f: merge(c, pad(f)), cache_c, cache_f)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("tokens_NxC", "logp_NxC"))
@@ -353,9 +368,10 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
     the memory plan lowers exactly this program for abstract inputs. B sequences to prefill, N rows (rows.py: row n
     continues sequence rows.source_N[n] from its rows.start_N[n] tokens in tokens_NxC / logp_NxC; limit_N[n] = 0: a
     filler row). -> per row: tokens, log-probs, lengths, finished (EOS), done (EOS or limit), prompt tokens and mask;
-    and the decode steps run."""
+    and the decode steps run, and the data-dependent loop iterations (_Pool.loops)."""
     B, P = prompt_BxP.shape[0], prompt_BxP.shape[1] - plan.carried  # the prompt bucket; then carried tokens
     N, C, S = limit_N.shape[0], plan.new_bucket, plan.slots
+    forms = plan.forms or for_platform(jax.default_backend())
     if plan.unstack_layers:
         params = model_lib.unstack_layers(cfg, params)
     sample = functools.partial(sample_tokens, greedy=plan.greedy, temperature=temperature, top_k=plan.top_k,
@@ -363,12 +379,12 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
 
     mask_BxW = prompt_mask_BxP.astype(jnp.bool_)  # W = P + plan.carried
     dp = plan.mesh.shape["data"] * plan.mesh.shape["fsdp"] if plan.mesh is not None else 1
-    h_Bx1xD, prompt_cache = _prefill(cfg, params, prompt_BxP, mask_BxW, P, dp, plan.carrying)
+    h_Bx1xD, prompt_cache = _prefill(cfg, params, prompt_BxP, mask_BxW, P, dp, plan.carrying, forms)
     prompt_cache = constrain_cache(prompt_cache)
     Q = queue_groups(N, B, S, dp)
     logits_NxV = _gather_rows(model_lib.logits_from_hidden(cfg, params, h_Bx1xD)[:, 0], rows.source_N, Q)
     ctx = _Ctx(cfg, params, sample, rows, mask_BxW[:, :P], jnp.sum(mask_BxW, axis=-1, dtype=jnp.int32), limit_N,
-               limit_N > 0, pad_id, eos_E, C, dp, stop_groups if plan.stop_early else None)
+               limit_N > 0, pad_id, eos_E, C, dp, stop_groups if plan.stop_early else None, forms)
 
     # Every row's next token (its first, or the one after those it carried in) comes from its sequence's prefill
     # logits (the last position).
@@ -376,16 +392,17 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
     tok_N, logp_N = sample(logits_NxV, row_keys(rows.key_N, rows.start_N, rows.id_N))
     out = _record(ctx, _Out(tokens_NxC, logp_NxC, rows.start_N, jnp.zeros((N,), jnp.bool_)), rows_N, rows.start_N,
                   ctx.valid_N, tok_N, logp_N)
-    cache = constrain_cache(kv_cache.init_cache(cfg, S, P + C, prompt_cache[0].dtype, stacked=True))
+    cache = constrain_cache(kv_cache.init_cache(cfg, S, P + C, jax.tree.leaves(prompt_cache)[0].dtype,
+                                                stacked=forms.stacked_cache))
     empty_S = jnp.full((S,), N, jnp.int32)
     pool = _Pool(empty_S, jnp.ones((S,), jnp.int32), jnp.zeros((S,), jnp.int32), cache, jnp.zeros((Q,), jnp.int32),
-                 jnp.int32(1))
+                 jnp.int32(1), jnp.int32(0))
     pool = _refill(pool, _done(ctx, out), out, prompt_cache, rows)
-    widths = plan.stages if plan.stages is not None else stage_widths(S, dp, C)
+    widths = plan.stages if plan.stages is not None else stage_widths(S, dp, C) if forms.shrink else (S,)
     pool, out = _decode(ctx, pool, out, prompt_cache, widths)
     return (out.tokens_NxC, out.logp_NxC, out.lengths_N, out.finished_N, _done(ctx, out) & ctx.valid_N,
             _gather_rows(prompt_BxP[:, :P], rows.source_N, Q), _gather_rows(mask_BxW[:, :P], rows.source_N, Q),
-            pool.steps)
+            pool.steps, pool.loops)
 
 
 def auto_slots(cfg: ModelConfig, rows: int, prompts: int, cache_len: int, prompt_len: int, mesh: Mesh | None,

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sage_jax.models import decoder as model_lib
+from sage_jax.models import decode_forms, decoder as model_lib
 from sage_jax.models import sharding as sharding_lib
 # re-exported: sampler.generate_program / SamplerPlan / constrain_cache are what sage_jax.plan lowers
 from sage_jax.sampling.decode_pool import SamplerPlan, auto_slots, constrain_cache, generate_program, stage_widths
@@ -53,6 +53,8 @@ class SampleOutput(NamedTuple):
     steps: jax.Array  # int32 [], decode steps run (fewer than N when every row stopped early)
     # bool [B], stopped (EOS or its budget); False: interrupted by stop_after_groups, returned with its tokens so far
     done: jax.Array | None = None
+    # int32 []: data-dependent loop iterations and branches the program ran (XLA:GPU: a host round trip each)
+    loops: jax.Array | None = None
 
 
 _PROGRAMS: set[tuple] = set()
@@ -97,6 +99,15 @@ def _slot_count(slots, cfg: ModelConfig, rows: int, prompts: int, P: int, C: int
                          "'all'")
     dp = _data_parallel(mesh)
     return -(-(rows if slots in (None, "all") else int(slots)) // dp) * dp
+
+
+def _forms(mesh: Mesh | None, decode_attention) -> decode_forms.DecodeForms:
+    """generate's decode forms: given whole, or the platform's (the mesh's devices', else the backend's) with
+    decode_attention's attention form."""
+    if isinstance(decode_attention, decode_forms.DecodeForms):
+        return decode_attention
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    return decode_forms.for_platform(platform, decode_attention)
 
 
 def _left_pad(sequences: Sequence[Sequence[int]], width: int, pad_id: int, carried: Sequence[Sequence[int]] = (),
@@ -149,16 +160,18 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
              eos_ids: Sequence[int] | None = None, seed: int | jax.Array = 0, num_samples: int = 1,
              pad_id: int | None = None, mesh: Mesh | None = None, unstack_layers: bool | None = None,
              row_max_new_tokens: Sequence[int] | None = None, slots: int | str | None = None,
-             stop_after_groups: int | None = None, resume: Sequence[Resumed] = (), min_rows: int = 0
-             ) -> SampleOutput:
+             stop_after_groups: int | None = None, resume: Sequence[Resumed] = (), min_rows: int = 0,
+             decode_attention: str | decode_forms.DecodeForms = "auto") -> SampleOutput:
     """Sample `num_samples` completions of up to `max_new_tokens` for each prompt (lists of token ids).
 
     temperature 0 is greedy. eos_ids defaults to cfg.eos_token_ids, pad_id to cfg.pad_token_id; seed may be an int
     or a jax PRNG key. With a mesh (given, or the one params are sharded on) rows go over ("data", "fsdp") and KV
     heads over "tensor"; the batch is padded internally to a multiple of the data-parallel size.
-    unstack_layers (default: on the CPU backend only) slices the stacked layer weights once before the decode loop;
-    see model.unstack_layers. row_max_new_tokens (one per output row, prompt-major, each <= max_new_tokens) stops
-    each row at its own budget, marked truncated. slots (default: one per row) is how many rows decode at once,
+    unstack_layers (default: decode_forms' choice for the platform, the CPU's only) slices the stacked layer weights
+    once before the decode loop; see model.unstack_layers. decode_attention: "auto" (models.decode_forms), "blocked",
+    "one_pass", "kernel" (Pallas), or whole DecodeForms (decode_forms.emulated("tpu"): the TPU's program on a CPU).
+    row_max_new_tokens (one per output row, prompt-major, each <= max_new_tokens) stops each row at its own budget,
+    marked truncated. slots (default: one per row) is how many rows decode at once,
     rounded up to a multiple of the data-parallel size; the others wait for a slot. The outputs do not depend on it.
     slots="auto": as many as fit the device's free memory (decode_pool.auto_slots); "all": one per row.
 
@@ -192,12 +205,14 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
         params = model_lib.shard_params(params, mesh, cfg=cfg)
     params = model_lib.compute_params(cfg, params)  # read at every decode step: once in the compute dtype
     S = _slot_count(slots, cfg, N, B, P, C, mesh)
+    forms = _forms(mesh, decode_attention)
     greedy = temperature == 0
     plan = SamplerPlan(num_samples=num_samples, new_bucket=C, greedy=greedy,
                        top_k=0 if greedy or top_k >= cfg.vocab_size else top_k, use_top_p=not greedy and top_p < 1,
                        use_min_p=not greedy and min_p > 0, mesh=mesh, slots=S, stop_early=stop_after_groups is not None,
                        carried=Cc, carrying=rows.carrying if Cc else 0,
-                       unstack_layers=jax.default_backend() == "cpu" if unstack_layers is None else bool(unstack_layers))
+                       forms=forms,
+                       unstack_layers=forms.unstack_layers if unstack_layers is None else bool(unstack_layers))
     per_row = (rows.tokens_NxC, rows.logp_NxC, rows.limit_N, rows.rows)  # host arrays, the keys as their raw data
     sequences = _left_pad(rows.sequences, P, pad_id, rows.carried, Cc)
     if mesh is not None:  # every process passes the same host arrays: device_put takes them onto a mesh of several
@@ -213,10 +228,10 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     _PROGRAMS.add((cfg, plan, B, N, P, len(eos_E), jax.tree.structure(params),
                    tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree.leaves(params))))
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        tokens, logp, lengths, finished, done, prompt_tokens, prompt_mask, steps = generate_program(
+        tokens, logp, lengths, finished, done, prompt_tokens, prompt_mask, steps, loops = generate_program(
             cfg, plan, params, *sequences, *per_row, *scalars, eos_E)
     # the returned rows: the program ran resumed rows first, fresh rows come out first (no resumed rows: a slice)
     at = rows.output if resume else slice(0, rows.real_rows)
     return SampleOutput(tokens=tokens[at, :max_new_tokens], lengths=lengths[at], finished=finished[at],
                         logprobs=logp[at, :max_new_tokens], prompt_tokens=prompt_tokens[at],
-                        prompt_mask=prompt_mask[at], steps=steps, done=done[at])
+                        prompt_mask=prompt_mask[at], steps=steps, done=done[at], loops=loops)

@@ -313,7 +313,8 @@ def collect_phases(task, cfg, config, pool, params, rl_step: int, version: int |
                                min_p=ro_cfg.min_p, eos_ids=cfg.eos_token_ids, seed=key, num_samples=G,
                                pad_id=cfg.pad_token_id, slots=pool_slots(ro_cfg.get("slots", None), B, G),
                                row_max_new_tokens=limits, stop_after_groups=stop_after_groups, resume=resume,
-                               min_rows=pool_rows(B, G, ro_cfg.oversample))
+                               min_rows=pool_rows(B, G, ro_cfg.oversample),
+                               decode_attention=getattr(ro_cfg, "decode_attention", "auto"))
         return sharding.gather(out)
 
     groups, dropped, drawn, gen_s = yield from sample_partial(

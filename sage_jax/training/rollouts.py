@@ -50,7 +50,8 @@ def rollout_phases(task: tasks.Task, cfg, params, examples, rollout_cfg, key, ma
                            temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
                            min_p=rollout_cfg.min_p, eos_ids=cfg.eos_token_ids, seed=key,
                            num_samples=rollout_cfg.group_size, pad_id=cfg.pad_token_id,
-                           slots=getattr(rollout_cfg, "slots", None))
+                           slots=getattr(rollout_cfg, "slots", None),
+                           decode_attention=getattr(rollout_cfg, "decode_attention", "auto"))
     out = sharding.gather(out)  # every process gets all rows (all-gathered across hosts): dispatched here
     yield HOST
     out = sharding.to_host(out)

@@ -196,14 +196,15 @@ def test_a_kernel_that_cannot_trace_falls_back_to_blockwise(monkeypatch):
 
 
 @pytest.mark.parametrize("layer", [None, 1])
-def test_decode_attention_by_position_groups_equals_one_batch(monkeypatch, layer):
-    """The blocked decode attention (XLA:CPU) runs rows sorted by how far they read, in kv_cache.POSITION_GROUPS
-    groups each to its own furthest row: per row the same as one batch read to the furthest row of all (the blocks
-    past a row's own last slot leave it as it is; up to the rounding of a batch of another size), and as a plain
-    softmax over its allowed slots."""
-    from sage_jax.models import kv_cache
-    if jax.default_backend() in kv_cache.ONE_PASS_PLATFORMS:
-        pytest.skip("the blocked decode attention runs on XLA:CPU (and TPU) only")
+def test_decode_attention_by_position_groups_equals_one_batch(layer):
+    """The blocked decode attention (XLA:CPU's decode form) runs rows sorted by how far they read, in
+    DecodeForms.position_groups groups each to its own furthest row: per row the same as one batch read to the
+    furthest row of all (the blocks past a row's own last slot leave it as it is; up to the rounding of a batch of
+    another size), and as a plain softmax over its allowed slots."""
+    import dataclasses
+    from sage_jax.models import decode_forms, kv_cache
+    cpu = decode_forms.for_platform("cpu")
+    assert cpu.attention == "blocked" and cpu.position_groups == 4
     B, N, K, S, H, L = 16, 4, 2, 320, 8, 3
     ks = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(ks[0], (B, 1, N, H))
@@ -211,11 +212,9 @@ def test_decode_attention_by_position_groups_equals_one_batch(monkeypatch, layer
     k_cache, v_cache = (jax.random.normal(k, shape) for k in ks[1:])
     reads = np.array([5, 300, 64, 65, 1, 128, 200, 250, 17, 320, 90, 33, 150, 260, 70, 2])  # slots each row reads
     allowed = jnp.asarray(np.arange(S)[None, None, :] < reads[:, None, None])
-    run = jax.jit(lambda q, k, v, a: kv_cache.cached_attention(q, k, v, a, layer=layer))
-    grouped = np.asarray(run(q, k_cache, v_cache, allowed))
-    monkeypatch.setattr(kv_cache, "POSITION_GROUPS", 1)
-    jax.clear_caches()
-    one = np.asarray(run(q, k_cache, v_cache, allowed))
+    run = lambda forms: np.asarray(jax.jit(lambda q, k, v, a: kv_cache.cached_attention(
+        q, k, v, a, layer=layer, forms=forms))(q, k_cache, v_cache, allowed))
+    grouped, one = run(cpu), run(dataclasses.replace(cpu, position_groups=1))
     np.testing.assert_allclose(grouped, one, rtol=1e-6, atol=1e-6)
     kk = k_cache[:, layer] if layer is not None else k_cache
     vv = v_cache[:, layer] if layer is not None else v_cache

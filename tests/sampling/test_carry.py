@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from sage_jax.models import sharding
+from sage_jax.models import decode_forms, sharding
 from sage_jax.sampling import decode_pool, rows, sampler
 from tests.sampling.test_sampler import CFG, PROMPTS, _np, _random_params, _recomputed_logprobs
 from tests.tolerances import decoder_terms, f32_tols
@@ -204,3 +204,17 @@ def test_resume_sharded_on_8_devices(params):
 def test_bad_resumed_rows_name_the_fix(params, resumed, kw, match):
     with pytest.raises(ValueError, match=match):
         sampler.generate(CFG, params, [[1, 2]], **{"max_new_tokens": 4, "resume": [resumed], **kw})
+
+
+def test_resumed_rows_continue_in_the_tpu_program(params):
+    """The carried rows of partial rollouts in the TPU's decode program (run on the CPU, its kernel interpreted):
+    resumed beside fresh prompts, each row equals its uninterrupted generation."""
+    tpu = decode_forms.emulated("tpu")
+    kw = dict(max_new_tokens=24, eos_ids=(), temperature=0.9, top_p=0.95, decode_attention=tpu)
+    first = dict(num_samples=G, seed=7, row_max_new_tokens=LIMITS)
+    ref = _np(sampler.generate(CFG, params, PROMPTS, **first, **kw))
+    out = sampler.generate(CFG, params, PROMPTS, stop_after_groups=2, slots=4, **first, **kw)
+    carried = rows.interrupted(out, PROMPTS, 7, G, LIMITS)
+    assert len(carried) >= 2 and all(len(r.tokens) for r in carried)
+    got = _np(sampler.generate(CFG, params, FRESH, num_samples=2, seed=11, resume=carried, slots=5, **kw))
+    _check_resumed(got, ref, carried, 4)

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sage_jax.models import kv_cache, decoder as model, sharding
+from sage_jax.models import decode_forms, kv_cache, decoder as model, sharding
 from sage_jax.sampling import sampler
 from tests.tolerances import decoder_terms, f32_tols
 
@@ -617,3 +617,31 @@ def test_each_shard_queues_its_own_rows(params, monkeypatch):
     for got in (per_shard, one_queue):
         _assert_same_outputs(got, one_device, steps=False)
     np.testing.assert_array_equal(per_shard["lengths"], limits)
+
+
+FORMS = {"tpu": decode_forms.emulated("tpu"), "gpu": decode_forms.emulated("gpu"),
+         "tpu-one-pass": decode_forms.emulated("tpu", "one_pass")}
+
+
+@pytest.mark.parametrize("forms", [f if f != "tpu-one-pass" else pytest.param(f, marks=pytest.mark.slow)
+                                   for f in FORMS])
+def test_each_platforms_decode_program_samples_what_the_cpus_does(params, forms):
+    """The TPU and GPU programs (matmul scores, a cache pair per layer with the layers unrolled, the Pallas kernel
+    reading each row's live slots, no shrinking widths; the GPU's several steps per loop iteration), run on the CPU
+    with the kernels interpreted: the same tokens as XLA:CPU's program with left-padded prompts of other lengths,
+    rows refilled into freed slots mid-call (3 slots for 16 rows) and sampling, the log-probs within rounding."""
+    static, _, limits = _longtail_case(params, slots=(), seed=3, temperature=1.0, top_p=0.9, eos_ids=())
+    run = lambda: _np(sampler.generate(CFG, params, PROMPTS, max_new_tokens=70, num_samples=4, seed=3,
+                                       temperature=1.0, top_p=0.9, eos_ids=(), row_max_new_tokens=limits, slots=3,
+                                       decode_attention=FORMS[forms]))
+    _assert_same_outputs(run(), static, steps=False)
+
+
+def test_gpu_program_waits_on_the_host_fewer_times_per_token(params):
+    """SampleOutput.loops counts the data-dependent loop iterations and branches (on XLA:GPU a host round trip
+    each): the GPU's forms run several decode steps per iteration."""
+    kw = dict(max_new_tokens=40, num_samples=4, temperature=0.0, eos_ids=(), slots=8)
+    cpu = sampler.generate(CFG, params, PROMPTS, **kw)
+    gpu = sampler.generate(CFG, params, PROMPTS, decode_attention=decode_forms.emulated("gpu"), **kw)
+    np.testing.assert_array_equal(np.asarray(gpu.tokens), np.asarray(cpu.tokens))
+    assert int(cpu.steps) == int(gpu.steps) and int(gpu.loops) < int(cpu.loops) / 2

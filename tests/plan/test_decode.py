@@ -1,0 +1,88 @@
+"""The plan's decode check (sage_jax.plan.decode): the sampler's program compiled by XLA:TPU, its copies of a layer's
+cache inside the decode loop and its bytes per step against the ideal."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from sage_jax.plan import decode as plan_decode, roofline
+
+HLO = """HloModule m
+
+%body (p: (s32[], bf16[64,2,544,64])) -> (s32[], bf16[64,2,544,64]) {
+  %p = (s32[], bf16[64,2,544,64]{3,2,1,0}) parameter(0)
+  %c = bf16[64,2,544,64]{3,2,1,0} get-tuple-element(%p), index=1
+  %t = bf16[64,2,64,544]{3,2,1,0} transpose(%c), dimensions={0,1,3,2}
+  %f = bf16[64,2,544,64]{3,2,1,0} fusion(%c), kind=kLoop, calls=%fused
+  %cs = (bf16[64,2,544,64]{3,2,1,0:T(8,128)(2,1)S(1)}, bf16[64,2,544,64]{3,2,1,0:T(8,128)(2,1)}, u32[]) copy-start(%c)
+  %small = bf16[4,4]{1,0} copy(%x)
+  ROOT %r = (s32[], bf16[64,2,544,64]) tuple(%i, %f)
+}
+
+%fused (a: bf16[64,2,544,64]) -> bf16[64,2,544,64] {
+  %a = bf16[64,2,544,64]{3,2,1,0} parameter(0)
+  ROOT %k = bf16[64,2,544,64]{2,3,1,0} copy(%a)
+}
+
+ENTRY %main (x: bf16[64,2,544,64]) -> bf16[64,2,544,64] {
+  %x = bf16[64,2,544,64]{3,2,1,0} parameter(0)
+  %outside = bf16[64,2,544,64]{2,3,1,0} copy(%x)
+  ROOT %w = (s32[], bf16[64,2,544,64]) while(%init), condition=%cond, body=%body
+}
+"""
+
+
+def test_loop_copies_counts_cache_sized_copies_inside_loop_bodies_only():
+    found = plan_decode.loop_copies(HLO, min_bytes=64 * 2 * 544 * 64 * 2)
+    # the transpose in the body and the relayout inside its fusion; not the copy outside the loop, not the small one;
+    # the async copy into on-chip memory (same layout, S(1)) is a prefetch
+    assert len(found["copies"]) == 2 and len(found["prefetches"]) == 1
+    assert sorted(c.split()[0] for c in found["copies"]) == ["copy", "transpose"]
+
+
+needs_libtpu = pytest.mark.skipif(not roofline.available(), reason="libtpu is not installed: pip install -r "
+                                  "requirements-tpu.txt (requirements-test.txt installs it)")
+
+
+def _tpu_small(layers: int):
+    """The bench's small preset (configs/bench_small.py) with `layers` layers on one abstract v5e chip."""
+    from sage_jax.models import build, sharding
+    from sage_jax.plan import programs as pp
+    from sage_jax.run import config as config_lib
+    saved = dict(os.environ)
+    roofline.prepare_environment()
+    try:
+        devices, chips = roofline.tpu_devices("v5e", "1x1")
+    finally:  # libtpu has read them; the TPU host variables must not reach the training subprocesses of later tests
+        os.environ.clear()
+        os.environ.update(saved)
+    config = config_lib.load("configs/bench_small.py", [f"--config.model.num_layers={layers}"])
+    mesh = sharding.make_mesh(tuple(config.mesh.shape), devices=devices)
+    cfg, _ = build.resolve_model(config)
+    return cfg, config, mesh, dict(config.mesh.rules), pp.plan_shapes(config, mesh), chips
+
+
+@needs_libtpu
+def test_tpu_decode_program_copies_no_cache_and_reads_near_the_ideal():
+    """The bench's small preset as it is (8 layers): the per-step bytes outside the layers (logits, sampling) weigh
+    as they do in the benchmark."""
+    cfg, config, mesh, rules, shapes, chips = _tpu_small(8)
+    line = plan_decode.check(cfg, config, mesh, rules, shapes, 64, "v5e", chips)
+    assert line.copies == 0, line.copy_ops
+    assert line.step_bytes <= 1.3 * line.ideal_bytes
+    assert line.text().startswith("decode: rows 64, copies 0, bytes ") and "tokens/s/chip" in line.text()
+
+
+@needs_libtpu
+def test_the_check_sees_the_stacked_caches_relayouts():
+    """The layout the sampler had before (a stacked cache read at a loop-variable layer): XLA:TPU copies the whole
+    stacked cache into another layout in the layer loop, and the check counts it (2 layers: copies are per layer)."""
+    from sage_jax.models import decode_forms
+    cfg, config, mesh, rules, shapes, chips = _tpu_small(2)
+    stacked = dataclasses.replace(decode_forms.for_platform("tpu"), stacked_cache=True, attention="one_pass",
+                                  scores="multiply_sum", cache_bits=True)
+    line = plan_decode.check(cfg, config, mesh, rules, shapes, 64, "v5e", chips, forms=stacked, count_bytes=False)
+    assert line.copies > 0
