@@ -1,5 +1,6 @@
 """Bad inputs through the real command lines: each exits 2 with one `error:` line naming the key or file, and no
-traceback. Most cases fail in the up-front config check, before JAX starts; the rest before any training step."""
+traceback, and writes nothing (no log line, no checkpoint: the workdir is as it was). Most cases fail in the
+up-front config check, before JAX starts; the rest in the checks before the model loads (training/preflight.py)."""
 
 from __future__ import annotations
 
