@@ -8,13 +8,12 @@ from sage_jax.run import cli
 
 def main(argv=None) -> int:
     config, args = cli.parse(argv, "supervised fine-tuning on demonstrations")
-    cli.setup_runtime(args.workdir)
     import os
-    from sage_jax.data import tasks
     from sage_jax.run import checkpoint
-    from sage_jax.training import supervised
-    cfg, params = supervised.run_sft(config, os.path.join(args.workdir, "sft"))
-    out = checkpoint.export_hf(os.path.join(args.workdir, "sft"), cfg, params, tasks.build(config).tokenizer)
+    from sage_jax.training import preflight, supervised
+    prepared = cli.setup_runtime(args.workdir, lambda: preflight.check(config, args.workdir, rl=False))
+    cfg, params = supervised.run_sft(config, os.path.join(args.workdir, "sft"), prepared.task, prepared.sft_data)
+    out = checkpoint.export_hf(os.path.join(args.workdir, "sft"), cfg, params, prepared.task.tokenizer)
     print(f"SFT done: {out}")
     return 0
 

@@ -5,9 +5,9 @@ from sage_jax.run import cli
 
 def main(argv=None) -> int:
     config, args = cli.parse(argv, "SAGE / GRPO-family RL training")
-    cli.setup_runtime(args.workdir)
-    from sage_jax.training import trainer
-    trainer.run(config, args.workdir)
+    from sage_jax.training import preflight, trainer
+    prepared = cli.setup_runtime(args.workdir, lambda: preflight.check(config, args.workdir))
+    trainer.run(config, args.workdir, prepared)
     return 0
 
 

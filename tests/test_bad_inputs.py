@@ -1,5 +1,6 @@
 """Bad inputs through the real command lines: each exits 2 with one `error:` line naming the key or file, and no
-traceback. Most cases fail in the up-front config check, before JAX starts; the rest before any training step."""
+traceback, and writes nothing (no log line, no checkpoint: the workdir is as it was). Most cases fail in the
+up-front config check, before JAX starts; the rest in the checks before the model loads (training/preflight.py)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,25 @@ def _prepare_live_lock(tmp: Path) -> dict:
 def _prepare_samples(tmp: Path) -> dict:
     (tmp / "good.jsonl").write_text(json.dumps({"completion": "x", "reward": 1.0}) + "\n")
     (tmp / "bad.jsonl").write_text('{"completion": "x"}\n{"completion": "y",}\n')
+    (tmp / "empty.jsonl").write_text("")
+    return {}
+
+
+def _prepare_demos(tmp: Path) -> dict:
+    """SFT demonstration files, each wrong in one way (the tiny config's length limit is 32 + 16 tokens)."""
+    row = lambda prompt, completion: json.dumps({"prompt": prompt, "completion": completion}) + "\n"
+    (tmp / "long.jsonl").write_text(row("1 " * 30 + ">2:", "1+1=2") + row("3 " * 40 + ">6:", "3+3=6"))
+    (tmp / "empty.jsonl").write_text("\n")
+    (tmp / "null_completion.jsonl").write_text(row("1 1>2:", "1+1=2") + row("2 2>4:", None))
+    (tmp / "numeric_prompt.jsonl").write_text(row(12, "1+1=2"))
+    return {}
+
+
+def _prepare_math_data(tmp: Path) -> dict:
+    """A tokenizer for the math task, and an empty training file."""
+    from tests.helpers_hf import tiny_tokenizer
+    tiny_tokenizer(tmp / "tok")
+    (tmp / "empty.jsonl").write_text("")
     return {}
 
 
@@ -125,7 +145,33 @@ CASES = [
     ("patterns: bad JSON", ["sage_jax.patterns", "{tmp}/good.jsonl", "{tmp}/bad.jsonl"],
      "bad.jsonl:2: invalid JSON (Expecting property name enclosed in double quotes at column 20)", _prepare_samples,
      False),
+    # issue 50, items 4, 5, 7, 8, 14
+    ("patterns: empty file", ["sage_jax.patterns", "{tmp}/good.jsonl", "{tmp}/empty.jsonl"],
+     "empty.jsonl: no completions in it", _prepare_samples, False),
+    ("sft: no completion token left", ["sage_jax.sft", "--config.sft.data={tmp}/long.jsonl", "--config.sft.steps=1"],
+     "long.jsonl: every one of its 2 demonstrations has a prompt of at least 48 tokens", _prepare_demos, False),
+    ("sft: empty file", ["sage_jax.sft", "--config.sft.data={tmp}/empty.jsonl", "--config.sft.steps=1"],
+     "empty.jsonl: no demonstrations in it", _prepare_demos, False),
+    ("sft: null completion", ["sage_jax.sft", "--config.sft.data={tmp}/null_completion.jsonl",
+                              "--config.sft.steps=1"],
+     "null_completion.jsonl:2: field 'completion' is null", _prepare_demos, False),
+    ("sft: numeric prompt", ["sage_jax.sft", "--config.sft.data={tmp}/numeric_prompt.jsonl", "--config.sft.steps=1"],
+     "numeric_prompt.jsonl:1: field 'prompt' should be text, got int", _prepare_demos, False),
+    ("sft data checked by train", ["sage_jax.train", "--config.sft.data={tmp}/empty.jsonl", "--config.sft.steps=1"],
+     "empty.jsonl: no demonstrations in it", _prepare_demos, False),
+    ("other model in workdir, SFT first", ["sage_jax.train", "--config.sft.steps=2", "--config.sft.batch_size=4",
+                                           "--config.sft.num_demos=8"],
+     "hidden_size: checkpoint 32, config 64", _prepare_other_model, False),
+    ("empty data.train", ["sage_jax.train", "--config.data.task=math", "--config.tokenizer_path={tmp}/tok",
+                          "--config.data.train={tmp}/empty.jsonl", "--config.train.reward=math"],
+     "empty.jsonl': no training examples", _prepare_math_data, False),
 ]
+
+
+def _files(root: Path) -> dict[str, tuple[int, int]]:
+    """{path: (size, mtime)} of every file under root (bytecode caches aside)."""
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts}
 
 
 def _env():
@@ -136,6 +182,7 @@ def _env():
 @pytest.mark.parametrize("module_and_args,names,prepare,early", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_one_clear_line(tmp_path, module_and_args, names, prepare, early):
     options = prepare(tmp_path) if prepare else {}
+    before = _files(tmp_path)
     module, *args = [a.format(tmp=tmp_path) for a in module_and_args]
     cmd = [sys.executable, "-m", module, *args]
     if module != "sage_jax.patterns":
@@ -150,6 +197,7 @@ def test_bad_input_is_one_clear_line(tmp_path, module_and_args, names, prepare, 
     assert len(errors) == 1 and errors[0] == lines[-1] and names in errors[0], r.stderr[-3000:]
     if early:  # rejected before any work: the error is all that is printed
         assert lines == errors, r.stderr
+    assert _files(tmp_path) == before, r.stderr[-3000:]  # and nothing was written: no log line, no checkpoint
 
 
 def test_ctrl_c_exits_130_with_a_resume_hint(tmp_path):
@@ -379,3 +427,51 @@ def test_a_lock_whose_write_fails_leaves_no_empty_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space"):
         paths.create_text(str(tmp_path / "run.lock"), "{}")
     assert not (tmp_path / "run.lock").exists()
+
+
+def _fake_workdir(workdir: Path) -> None:
+    """A training workdir as evaluate finds one (its config.json and a finished RL checkpoint's folder): the
+    results' folder is checked before any checkpoint is read."""
+    from sage_jax.run import config, record as run_record
+    (workdir / "rl" / "checkpoints" / "3" / "state").mkdir(parents=True)
+    (workdir / "config.json").write_text(json.dumps(run_record.as_record(config.load(str(ROOT / TINY)))))
+
+
+@pytest.mark.parametrize("how", ["read-only mount", "eval is a file"])
+def test_evaluate_on_a_workdir_it_cannot_write_names_it_and_suggests_out(tmp_path, how):
+    """Issue 50, item 11: the default results folder WORKDIR/eval/... cannot be made: one line, a hint to pass --out."""
+    import shutil
+    workdir = tmp_path / "wd"
+    _fake_workdir(workdir)
+    cmd = [sys.executable, "-m", "sage_jax.evaluate", "--model", str(workdir), "--n", "2", "--limit", "2",
+           "--reward-workers", "0", "--no-progress"]
+    if how == "eval is a file":
+        (workdir / "eval").write_text("")
+    else:  # a private read-only bind mount of the workdir (needs root; skipped elsewhere)
+        ro = f"mount --bind {workdir} {workdir} && mount -o remount,bind,ro {workdir}"
+        probe = subprocess.run(["unshare", "-m", "sh", "-c", ro], capture_output=True, text=True) \
+            if shutil.which("unshare") else None
+        if probe is None or probe.returncode != 0:
+            pytest.skip(f"no private read-only mount here: {probe.stderr.strip() if probe else 'no unshare'}")
+        cmd = ["unshare", "-m", "sh", "-c", f"{ro} && exec " + " ".join(cmd)]
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: cannot write the evaluation's results to {workdir}/eval/step3 (") and \
+        last.endswith("pass --out with a folder you can write to"), r.stderr
+
+
+@pytest.mark.parametrize("args,names", [
+    (["--config", "configs/nonexistent.py", "--compiler", "tpu"], "config file 'configs/nonexistent.py' not found"),
+    (["--config", TINY, "--compiler", "tpu", "--devices", "0"], "--devices 0: must be >= 1"),
+    (["--config", TINY, "--compiler", "cpu", "--devices", "1", "--config.rollout.prompts_per_step=0"],
+     "--config.rollout.prompts_per_step=0: must be >= 1"),
+    (["--config", TINY, "--compiler", "cpu", "--devices", "1", "--config.rollout.group_size=1"],
+     "--config.rollout.group_size=1: must be >= 2"),
+], ids=["missing config file", "devices 0", "prompts_per_step 0", "group of one"])
+def test_plan_checks_its_flags_and_the_config_as_train_does(args, names):
+    """Issue 50, item 9: each gets its own message, before anything is compiled."""
+    r = subprocess.run([sys.executable, "-m", "sage_jax.plan", *args], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert names in r.stderr.strip().splitlines()[-1], r.stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import random
 from typing import Any, Sequence
 
@@ -117,7 +118,19 @@ def _split_names(text: str) -> list[str]:
 
 
 def build(config, tokenizer_path: str = "") -> Task:
-    """The task named by config.data.task."""
+    """The task named by config.data.task; ValueError naming data.train where it holds no example."""
+    task = _build(config, tokenizer_path)
+    if not task.train:
+        d = config.data
+        if d.task != "math":
+            raise ValueError(f"data.num_train={d.num_train}: no training examples; raise it")
+        split = " (its train split)" if os.path.isdir(d.train) else ""
+        raise ValueError(f"data.train={d.train!r}{split}: no training examples (an empty file?); point "
+                         "--config.data.train at a file or folder with rows")
+    return task
+
+
+def _build(config, tokenizer_path: str = "") -> Task:
     d = config.data
     limit = d.eval_problems or None
     if d.task == "countdown":

@@ -165,17 +165,22 @@ class PooledScorer:
 
 
 def check_settings(out: Path, settings: dict[str, Any]) -> None:
-    """Samples in OUT are only resumed under the settings that drew them."""
+    """Samples in OUT are only resumed under the settings that drew them; the first read and write of OUT: one that
+    cannot be used (a read-only workdir) is named here, before the model loads."""
     path = out / SETTINGS_FILE
-    saved = paths.read_agreed(path)  # process 0's file on every process: all refuse or go on alike
-    if saved is not None:
-        old = json.loads(saved)
-        changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
-        if changed:
-            what = ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items())
-            raise ValueError(f"{out} holds samples drawn with other settings ({what}); rerun with the same settings "
-                             "or pass another --out")
-    evaluation.write_json(path, settings)
+    try:
+        saved = paths.read_agreed(path)  # process 0's file on every process: all refuse or go on alike
+        if saved is not None:
+            old = json.loads(saved)
+            changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+            if changed:
+                what = ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items())
+                raise ValueError(f"{out} holds samples drawn with other settings ({what}); rerun with the same "
+                                 "settings or pass another --out")
+        evaluation.write_json(path, settings)
+    except OSError as e:
+        raise ValueError(f"cannot write the evaluation's results to {out} ({e.strerror or e}): pass --out with a "
+                         "folder you can write to") from None
 
 
 def write_summary(out: Path, results: dict[str, dict[str, Any]], ks: Sequence[int], settings: dict[str, Any]

@@ -89,11 +89,12 @@ def frequencies(texts: Iterable[str]) -> dict[str, float]:
 def load_texts(path: str | Path, only_correct: bool = False) -> list[str]:
     """Completions from an evaluation samples.jsonl (fields completions, rewards) or any JSONL with a
     completion / text field per line."""
-    texts = []
+    texts, rows = [], 0
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
+            rows += 1
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
@@ -109,6 +110,10 @@ def load_texts(path: str | Path, only_correct: bool = False) -> list[str]:
                     texts.append(row.get("completion", row.get("text")))
             else:
                 raise ValueError(f"{path}:{lineno}: no 'completions', 'completion' or 'text' field")
+    if not texts:  # frequencies of nothing would print as a table of zeros
+        raise ValueError(f"{path}: none of its {rows} rows' completions has reward 1 (--only-correct): nothing to "
+                         "count" if only_correct and rows else f"{path}: no completions in it (an empty file?); pass "
+                         "a samples.jsonl with completions")
     return texts
 
 

@@ -8,6 +8,7 @@ import functools
 import json
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -54,9 +55,7 @@ def load_or_init_params(config, mesh, rules, tokenizer=None, path: str | None = 
     """(cfg, params) placed on the mesh: from an HF directory, or a seeded random init born sharded."""
     path = config.model.path if path is None else path
     if path:
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"model path {path!r} does not exist: set --config.model.path to a local Hugging "
-                                    "Face directory (config.json + *.safetensors)")
+        _check_path(path)
         base, params = model_lib.load_hf(path, dtype=jnp.dtype(config.model.param_dtype), mesh=mesh, rules=rules)
         cfg = model_config(config, base=base)
     else:
@@ -68,6 +67,22 @@ def load_or_init_params(config, mesh, rules, tokenizer=None, path: str | None = 
         cfg = cfg.replace(eos_token_ids=_stop_ids(tokenizer, path), pad_token_id=int(tokenizer.pad_id),
                           bos_token_id=getattr(tokenizer, "bos_id", cfg.bos_token_id))
     return cfg, params
+
+
+def _check_path(path: str) -> None:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist: set --config.model.path to a local Hugging "
+                                "Face directory (config.json + *.safetensors)")
+
+
+def config_without_weights(config, tokenizer=None) -> model_lib.ModelConfig:
+    """The ModelConfig load_or_init_params makes (but the tokenizer's special ids), read without the weights: to
+    check a workdir's checkpoints before the model loads."""
+    path = config.model.path
+    if not path:
+        return model_config(config, vocab_size=getattr(tokenizer, "vocab_size", None))
+    _check_path(path)
+    return model_config(config, base=hf_io.config_from_hf(hf_io._read_config(Path(path))))
 
 
 def _stop_ids(tokenizer, path: str) -> tuple[int, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import sys
@@ -25,7 +26,7 @@ def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     overrides = [a for a in argv if a.startswith("--config.")]
     parser = argparse.ArgumentParser(prog="python -m sage_jax.plan", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="configs/NAME.py[:arg]")
-    parser.add_argument("--devices", type=int, default=0, help="number of devices (chips); with --compiler tpu "
+    parser.add_argument("--devices", type=int, default=None, help="number of devices (chips); with --compiler tpu "
                         "it picks the slice's usual shape when --topology is not given")
     per_device = parser.add_mutually_exclusive_group()
     per_device.add_argument("--memory-gb", type=float, help="memory per device in GB (1e9 bytes); default: the chip's")
@@ -50,6 +51,13 @@ def parse_flags(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
                         "at once, comma-separated; default the config's slots): one `decode:` line each")
     parser.add_argument("--json", default="", help="write the report as one JSON line to this file ('-': stdout)")
     args = parser.parse_args([a for a in argv if not a.startswith("--config.")])
+    config_file = args.config.partition(":")[0]
+    if not os.path.isfile(config_file):  # before the flag checks below, which would name another flag
+        parser.error(f"--config {args.config}: config file {config_file!r} not found (expected e.g. "
+                     "configs/cpu_demo.py)")
+    if args.devices is not None and args.devices < 1:
+        parser.error(f"--devices {args.devices}: must be >= 1 (the number of devices to plan for)")
+    args.devices = args.devices or 0  # 0: not given
     if args.topology and not re.fullmatch(r"[1-9]\d*(x[1-9]\d*){1,2}", args.topology):
         parser.error(f"--topology {args.topology!r} is not a slice shape: write AxB or AxBxC, e.g. 2x4x4 (v5p-64)")
     if args.memory_gb is not None and not args.memory_gb > 0:
@@ -105,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepare(args)
     from sage_jax.plan import cache as plan_cache
     from sage_jax.run import config as config_lib
-    config = config_lib.load(args.config, overrides)
+    config = config_lib.validate(config_lib.load(args.config, overrides))  # the checks `train` runs
     memory_gb = args.memory_gb or memory.CHIPS_GB[args.chip or "v5p"]
     report = memory.run(config, args.devices, memory_gb, layers=args.layers, do_compile=not args.no_compile,
                  config_name=args.config, compiler=args.compiler, chip=args.chip or "v5p", topology=args.topology,

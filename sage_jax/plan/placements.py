@@ -29,7 +29,7 @@ def placements_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--every-split", action="store_true", help="the split placement at every n rollout chips "
                         "(a multiple of the tensor axis), not only a quarter, half and three quarters of the chips")
     args = parser.parse_args([a for a in argv if not a.startswith("--config.")])
-    config = config_lib.load(args.config, [a for a in argv if a.startswith("--config.")])
+    config = config_lib.validate(config_lib.load(args.config, [a for a in argv if a.startswith("--config.")]))
     rows = plan_phases.placements_for(config, build.resolve_model(config)[0], args.chip, args.chips, args.host_s,
                                       stages=not args.no_decode_stages, every_split=args.every_split)
     print(plan_phases.format_placements(rows, args.chip, args.chips))
@@ -37,4 +37,5 @@ def placements_main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(placements_main())
+    from sage_jax.run import cli
+    cli.main_guard(placements_main)

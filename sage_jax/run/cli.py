@@ -7,7 +7,7 @@ import logging as pylogging
 import os
 import sys
 import traceback
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 
 def _cpu_unless_an_accelerator() -> None:
@@ -118,8 +118,10 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def setup_runtime(workdir: str) -> None:
-    """Distributed runtime, the workdir and its lock (held until the process ends: one run per workdir), logging."""
+def setup_runtime(workdir: str, check: Callable[[], Any] | None = None) -> Any:
+    """Distributed runtime, the workdir and its lock (held until the process ends: one run per workdir), then
+    `check` (what can be checked before the run writes or loads anything: a refused run leaves no line in the
+    workdir's log), then logging to WORKDIR/log.txt; returns what `check` returned."""
     from sage_jax.models import sharding
     from sage_jax.run import guard as run_guard
     from sage_jax.run import metrics_log as slog
@@ -131,4 +133,7 @@ def setup_runtime(workdir: str) -> None:
     except OSError as e:  # a read-only or full disk, a folder that cannot be made
         raise ValueError(f"workdir {workdir}: cannot write there ({e.strerror or e}); pass a --workdir on a writable "
                          "disk with free space") from None
+    slog.setup_python_logging(None, pylogging.INFO)  # stderr only, while the checks run
+    checked = check() if check is not None else None
     slog.setup_python_logging(workdir, pylogging.INFO)
+    return checked

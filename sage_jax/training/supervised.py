@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging as pylogging
 import random
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,32 +37,76 @@ def demonstrations(config, task: tasks.Task) -> list[tuple[str, str]]:
         return [(d["prompt"], d["completion"]) for d in demos[:s.num_demos]]
     pairs = []
     for line, row in loaders.read_jsonl(s.data):
-        try:
-            pairs.append((task.prompt_text(loaders.Example(row[s.prompt_field], "")), row[s.completion_field]))
-        except KeyError as e:
-            raise ValueError(f"{s.data}:{line}: row has no field {e.args[0]!r} (set sft.prompt_field / "
-                             "sft.completion_field)") from None
+        if s.prompt_field not in row or s.completion_field not in row:
+            missing = s.prompt_field if s.prompt_field not in row else s.completion_field
+            raise ValueError(f"{s.data}:{line}: row has no field {missing!r} (set sft.prompt_field / "
+                             "sft.completion_field)")
+        for field in (s.prompt_field, s.completion_field):
+            if not isinstance(row[field], str):
+                what = "is null" if row[field] is None else f"should be text, got {type(row[field]).__name__}"
+                raise ValueError(f"{s.data}:{line}: field {field!r} {what}; give the row its text or drop the row")
+        pairs.append((task.prompt_text(loaders.Example(row[s.prompt_field], "")), row[s.completion_field]))
+    if not pairs:
+        raise ValueError(f"{s.data}: no demonstrations in it (an empty file?); give it one JSON object per line "
+                         f"with fields {s.prompt_field!r} and {s.completion_field!r}")
     return pairs
 
 
-def tokenize(task: tasks.Task, pairs, max_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Right-padded [N, T] tokens, attention mask and a loss mask on completion tokens (incl. EOS)."""
-    rows, loss_rows = [], []
+class SFTData(NamedTuple):
+    """The demonstrations as trained: right-padded [N, T] tokens, attention mask, loss mask on completion tokens."""
+    tokens: np.ndarray
+    mask: np.ndarray
+    loss_mask: np.ndarray
+    left_out: int                        # demonstrations with no completion token within the length limit
+    cut: int                             # kept ones whose completion is cut at the limit
+    max_len: int                         # data.max_prompt_len + rollout.max_new_tokens
+
+
+def prepare(config, task: tasks.Task) -> SFTData:
+    """config.sft's demonstrations, checked and tokenized (a ValueError names the file and line of a bad row)."""
+    max_len = config.data.max_prompt_len + config.rollout.max_new_tokens
+    return tokenize(task, demonstrations(config, task), max_len, source=config.sft.data)
+
+
+def tokenize(task: tasks.Task, pairs, max_len: int, source: str = "") -> SFTData:
+    """The pairs cut at max_len tokens; a pair whose prompt leaves no completion token is left out (it would train on
+    nothing) and counted; ValueError if none is left."""
+    rows, loss_rows, cut, longest = [], [], 0, 0
     eos = task.tokenizer.eos_ids[0]
     for prompt, completion in pairs:
         p = tasks.encode_prompt_text(task.tokenizer, task.template, prompt)
         c = list(task.tokenizer.encode_completion(completion)) if hasattr(task.tokenizer, "encode_completion") \
             else list(task.tokenizer.encode(completion)) + [eos]
-        seq = (p + c)[:max_len]
-        rows.append(seq)
+        longest = max(longest, len(p))
+        if len(p) >= max_len:
+            continue
+        cut += len(p) + len(c) > max_len
+        rows.append((p + c)[:max_len])
         loss_rows.append(([0] * len(p) + [1] * len(c))[:max_len])
+    if not rows:
+        raise ValueError(f"{source or 'SFT data'}: every one of its {len(pairs)} demonstrations has a prompt of at "
+                         f"least {max_len} tokens (the longest {longest}), the SFT length limit (data.max_prompt_len"
+                         " + rollout.max_new_tokens): no completion token is left to train on; raise "
+                         "--config.data.max_prompt_len")
     T = max(len(r) for r in rows)
     tokens = np.full((len(rows), T), task.tokenizer.pad_id, np.int32)
     mask = np.zeros((len(rows), T), np.int32)
     loss_mask = np.zeros((len(rows), T), np.float32)
     for i, (r, lm) in enumerate(zip(rows, loss_rows)):
         tokens[i, :len(r)], mask[i, :len(r)], loss_mask[i, :len(lm)] = r, 1, lm
-    return tokens, mask, loss_mask
+    return SFTData(tokens, mask, loss_mask, len(pairs) - len(rows), cut, max_len)
+
+
+def _warn_left_out(data: SFTData, source: str) -> None:
+    if data.left_out:
+        log.warning("%d of %d SFT demonstrations in %s have a prompt of %d tokens or more, the SFT length limit "
+                    "(data.max_prompt_len + rollout.max_new_tokens): no completion token is left, so they are left "
+                    "out; raise data.max_prompt_len to train on them", data.left_out,
+                    data.left_out + len(data.tokens), source, data.max_len)
+    if data.cut:
+        log.warning("%d of %d SFT demonstrations in %s are cut at %d tokens (data.max_prompt_len + "
+                    "rollout.max_new_tokens): their completions train on the first tokens only", data.cut,
+                    data.left_out + len(data.tokens), source, data.max_len)
 
 
 def sft_loss(params, batch, cfg):
@@ -74,20 +119,21 @@ def sft_loss(params, batch, cfg):
     return loss, {"sft/loss": loss}
 
 
-def run_sft(config, workdir: str, task: tasks.Task | None = None):
-    """Train config.sft.steps steps on `task`'s demonstrations (default tasks.build(config)), resumable from
-    workdir; returns (cfg, the fine-tuned params on the mesh)."""
+def run_sft(config, workdir: str, task: tasks.Task | None = None, data: SFTData | None = None):
+    """Train config.sft.steps steps on `task`'s demonstrations (default tasks.build(config); `data`: them prepared
+    already), resumable from workdir; returns (cfg, the fine-tuned params on the mesh)."""
     s = config.sft
     rules = dict(config.mesh.rules)
     mesh = sharding.make_mesh(tuple(config.mesh.shape))
     task = task or tasks.build(config)
+    data = data or prepare(config, task)  # a bad row stops the run before the model loads
     with jax.set_mesh(mesh), sharding.use_rules(rules), run_guard.locked(workdir):
         ckpt = checkpoint.Checkpointer(workdir, keep=2)  # the newest may not be proven finite yet
         if (ckpt.latest_step() or 0) < s.steps:  # a finished SFT trains no more: its settings no longer matter
             run_record.check_resume(config, ckpt, workdir, sft=True)
+        _warn_left_out(data, s.data)
         cfg, params = build.load_or_init_params(config, mesh, rules, task.tokenizer)
-        tokens, mask, loss_mask = tokenize(task, demonstrations(config, task), config.data.max_prompt_len +
-                                           config.rollout.max_new_tokens)
+        tokens, mask, loss_mask = data.tokens, data.mask, data.loss_mask
         optim = config.optim.copy_and_resolve_references()
         with optim.unlocked():
             optim.lr, optim.warmup_steps, optim.schedule, optim.weight_decay = s.lr, s.warmup_steps, "cosine", 0.0

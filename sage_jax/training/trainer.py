@@ -396,12 +396,12 @@ class Summary:
                                       title="pass@k before and after RL")
 
 
-def run(config, workdir: str) -> dict[str, Any]:
-    """The whole job: optional SFT warm-start, RL, before/after evaluation; prints the final table."""
-    params = None
+def run(config, workdir: str, prepared=None) -> dict[str, Any]:
+    """The whole job: optional SFT warm-start, RL, evaluations; prints the final table (prepared: preflight's)."""
+    params, task, sft_data = None, *(prepared or (None, None))
     if config.sft.steps > 0:
-        _, params = supervised.run_sft(config, os.path.join(workdir, "sft"))
-    summary = run_rl(config, workdir, params_override=params).summary
+        _, params = supervised.run_sft(config, os.path.join(workdir, "sft"), task, sft_data)
+    summary = run_rl(config, workdir, task, params_override=params).summary
     if jax.process_index() == 0 and "after" in summary:
         print(format_summary(summary))
     return summary
