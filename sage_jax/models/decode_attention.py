@@ -13,11 +13,14 @@ On the CPU both run in Pallas interpret mode (tests, and decode_forms' attention
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from sage_jax.models import sharding
 
 BLOCK = 128  # cache slots per kernel block (TPU: a multiple of 8 sublanes; GPU: Triton's block_k)
 GPU_SPLITS = 16  # the GPU kernel's parallel splits of the cache axis (its k_splits), fewer for short caches
@@ -45,10 +48,15 @@ def reference(q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, start_B, end_B) -> jax.Array:
 
 def attend(platform: str, q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, start_B, end_B, interpret: bool = False) -> jax.Array:
     """[B, K, G, H] in q's dtype, by `platform`'s kernel (the CPU's: the TPU kernel's), in Pallas interpret mode
-    with `interpret` or on the CPU."""
+    with `interpret` or on the CPU. Under a mesh each device runs it on its own rows and KV heads (the cache's
+    logical axes); the slots and the head dim stay whole."""
     if platform == "gpu":
-        return _gpu(q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, start_B, end_B, interpret)
-    return _tpu(q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, start_B, end_B, interpret or platform != "tpu")
+        kernel = functools.partial(_gpu, interpret=interpret)
+    else:
+        kernel = functools.partial(_tpu, interpret=interpret or platform != "tpu")
+    rows_heads = ("batch", "kv_heads", None, None)
+    return sharding.per_shard(kernel, (q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, start_B, end_B),
+                              (rows_heads,) * 3 + (("batch",),) * 2, rows_heads)
 
 
 def _tpu(q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, start_B, end_B, interpret: bool) -> jax.Array:

@@ -142,7 +142,7 @@ def logical_to_spec(axes: Sequence[str | None], rules: Mapping[str, Any] | None 
     return P(*out)
 
 
-def check_divisible(path: str, shape: Sequence[int], spec: P, mesh: Mesh) -> None:
+def checkdivides(path: str, shape: Sequence[int], spec: P, mesh: Mesh) -> None:
     for dim, (size, entry) in enumerate(zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec)))):
         if entry is None:
             continue
@@ -158,7 +158,7 @@ def tree_shardings(abstract_tree: Any, axes_tree: Any, mesh: Mesh, rules: Mappin
     """NamedShardings for a pytree of arrays (or ShapeDtypeStructs) given a matching tree of logical axes."""
     def one(path, leaf, axes):
         spec = logical_to_spec(axes, rules)
-        check_divisible(jax.tree_util.keystr(path), leaf.shape, spec, mesh)
+        checkdivides(jax.tree_util.keystr(path), leaf.shape, spec, mesh)
         return NamedSharding(mesh, spec)
     return jax.tree_util.tree_map_with_path(one, abstract_tree, axes_tree,
                                             is_leaf=lambda x: isinstance(x, tuple) and all(
@@ -174,21 +174,38 @@ def use_rules(rules: Mapping[str, Any] | None):
         _RULES.reset(token)
 
 
+def _current_mesh():
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh is None or mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names) else mesh
+
+
+def divides(shape: Sequence[int], spec: P, mesh) -> bool:
+    sizes = [math.prod(mesh.shape[a] for a in ((e,) if isinstance(e, str) else e)) if e else 1 for e in spec]
+    return all(n % s == 0 for n, s in zip(shape, sizes))
+
+
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """Annotate an activation with logical axes; a no-op unless a mesh is set (jax.set_mesh)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty or not set(MESH_AXES) <= set(mesh.axis_names):
+    mesh = _current_mesh()
+    if mesh is None:
         return x
-    rules = _RULES.get() or DEFAULT_RULES
-    spec = logical_to_spec(axes, rules)
+    spec = logical_to_spec(axes, _RULES.get() or DEFAULT_RULES)
     # Skip constraints the shape cannot honour (e.g. a batch of 1 on a 2-way axis) instead of failing.
-    for size, entry in zip(x.shape, spec):
-        if entry is None:
-            continue
-        names = (entry,) if isinstance(entry, str) else entry
-        if size % math.prod(mesh.shape[a] for a in names):
-            return x
-    return jax.lax.with_sharding_constraint(x, spec)
+    return jax.lax.with_sharding_constraint(x, spec) if divides(x.shape, spec, mesh) else x
+
+
+def per_shard(fn, args: Sequence[jax.Array], axes: Sequence[Sequence[str | None]], out_axes: Sequence[str | None]):
+    """fn(*args) run on each device's shards (shard_map) when a mesh is set, the arrays split as their logical axes
+    say where the shapes divide (else replicated): for a kernel (Pallas) that XLA cannot partition itself, which
+    would otherwise gather its operands whole onto every device."""
+    mesh = _current_mesh()
+    if mesh is None:
+        return fn(*args)
+    rules = _RULES.get() or DEFAULT_RULES
+    spec = lambda shape, names: (lambda s: s if divides(shape, s, mesh) else P())(logical_to_spec(names, rules))
+    in_specs = tuple(spec(a.shape, names) for a, names in zip(args, axes))
+    out_spec = spec(args[0].shape, out_axes)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(*args)
 
 
 def data_sharding(mesh: Mesh, ndim: int) -> NamedSharding:

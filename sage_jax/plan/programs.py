@@ -312,7 +312,7 @@ def decode_step_lowering(cfg, config, mesh, rules, shapes: Shapes, rollout, rows
     S, dt = shapes.cache_len, jnp.dtype(cfg.compute_dtype)
     spec = sharding.logical_to_spec(model_lib.cache_axes(), rules)
     shape = (rows, cfg.num_kv_heads, S, cfg.head_dim)
-    sh = NamedSharding(mesh, spec if _divides(shape, spec, mesh) else PartitionSpec())  # as sharding.constrain
+    sh = NamedSharding(mesh, spec if sharding.divides(shape, spec, mesh) else PartitionSpec())  # as constrain does
     cache = [(jax.ShapeDtypeStruct(shape, dt, sharding=sh),) * 2 for _ in range(cfg.num_layers)]
     key = arg((), jax.eval_shape(lambda: jax.random.key(0)).dtype)
     f32 = arg((), jnp.float32)
@@ -340,11 +340,6 @@ def cost_lowerers(cfg, config, mesh, rules, shapes: Shapes, state, ref, tx, sche
         lowerers["old_logprobs"] = lambda r: lower_logprobs(cfg, config, policy, abstract_batch(config, shapes, r, mesh),
                                                             shapes)
     return lowerers
-
-
-def _divides(shape, spec, mesh) -> bool:
-    split = [math.prod(mesh.shape[a] for a in ((e,) if isinstance(e, str) else e)) if e else 1 for e in spec]
-    return all(s % n == 0 for s, n in zip(shape, split))
 
 
 def cost_stats(lowered) -> dict[str, float]:

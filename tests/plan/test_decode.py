@@ -47,15 +47,15 @@ needs_libtpu = pytest.mark.skipif(not roofline.available(), reason="libtpu is no
                                   "requirements-tpu.txt (requirements-test.txt installs it)")
 
 
-def _tpu_small(layers: int):
-    """The bench's small preset (configs/bench_small.py) with `layers` layers on one abstract v5e chip."""
+def _tpu_small(layers: int, topology: str = "1x1"):
+    """The bench's small preset (configs/bench_small.py) with `layers` layers on an abstract v5e slice."""
     from sage_jax.models import build, sharding
     from sage_jax.plan import programs as pp
     from sage_jax.run import config as config_lib
     saved = dict(os.environ)
     roofline.prepare_environment()
     try:
-        devices, chips = roofline.tpu_devices("v5e", "1x1")
+        devices, chips = roofline.tpu_devices("v5e", topology)
     finally:  # libtpu has read them; the TPU host variables must not reach the training subprocesses of later tests
         os.environ.clear()
         os.environ.update(saved)
@@ -86,3 +86,12 @@ def test_the_check_sees_the_stacked_caches_relayouts():
                                   scores="multiply_sum", cache_bits=True)
     line = plan_decode.check(cfg, config, mesh, rules, shapes, 64, "v5e", chips, forms=stacked, count_bytes=False)
     assert line.copies > 0
+
+
+@needs_libtpu
+def test_the_kernel_runs_on_each_devices_rows_of_a_sharded_cache():
+    """On 4 chips (rows over fsdp) the Pallas kernel runs per device (XLA cannot partition a Mosaic kernel: without
+    shard_map it refuses to compile), and still no layer's cache is copied."""
+    cfg, config, mesh, rules, shapes, chips = _tpu_small(2, "2x2")
+    line = plan_decode.check(cfg, config, mesh, rules, shapes, 64, "v5e", chips, count_bytes=False)
+    assert chips == 4 and line.copies == 0, line.copy_ops

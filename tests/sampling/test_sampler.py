@@ -645,3 +645,17 @@ def test_gpu_program_waits_on_the_host_fewer_times_per_token(params):
     gpu = sampler.generate(CFG, params, PROMPTS, decode_attention=decode_forms.emulated("gpu"), **kw)
     np.testing.assert_array_equal(np.asarray(gpu.tokens), np.asarray(cpu.tokens))
     assert int(cpu.steps) == int(gpu.steps) and int(gpu.loops) < int(cpu.loops) / 2
+
+
+def test_sharded_tpu_program_equals_single_device(params):
+    """The TPU's decode program on a mesh: each device runs the kernel on its own rows and KV heads (Pallas kernels
+    are not partitioned by XLA), the rows refilled within their shards: the tokens of one device's CPU program."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (simulated) devices")
+    prompts, limits = PROMPTS[:3], [8, 1, 2, 3, 5, 1, 1, 2, 7, 4, 1, 2]
+    kw = dict(max_new_tokens=8, temperature=0.0, num_samples=4, row_max_new_tokens=limits)
+    ref = _np(sampler.generate(CFG, params, prompts, **kw))
+    sharded = model.shard_params(params, sharding.make_mesh((2, 2, 2)), cfg=CFG)
+    got = _np(sampler.generate(CFG, sharded, prompts, slots=4, decode_attention=decode_forms.emulated("tpu"), **kw))
+    np.testing.assert_array_equal(got["tokens"], ref["tokens"])
+    np.testing.assert_allclose(got["logprobs"], ref["logprobs"], **LOGP_TOLS)
