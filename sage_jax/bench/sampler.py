@@ -83,7 +83,8 @@ def _sage_generate_fn(cfg, params, prompts_BxT: np.ndarray, new_tokens: int, gro
                       ) -> tuple[Callable[[], None], dict]:
     """(run, realised): greedy sampler.generate of group samples per prompt in `slots` decode slots (default: one
     per row), each row stopped after lengths_N[n] tokens when given (EOS ignored); realised["lengths"] as for
-    _hf_generate_fn."""
+    _hf_generate_fn, realised["loops_per_step"] the program's data-dependent loop iterations per decode step (on
+    XLA:GPU each a host round trip)."""
     prompts = prompts_BxT.tolist()
     limits = None if lengths_N is None else [int(n) for n in lengths_N]
     realised: dict = {}
@@ -92,6 +93,7 @@ def _sage_generate_fn(cfg, params, prompts_BxT: np.ndarray, new_tokens: int, gro
         out = sampler_lib.generate(cfg, params, prompts, max_new_tokens=new_tokens, temperature=0.0, eos_ids=(),
                                num_samples=group, row_max_new_tokens=limits, slots=slots)
         realised["lengths"] = np.asarray(jax.block_until_ready(out.lengths))
+        realised["loops_per_step"] = int(out.loops) / max(1, int(out.steps))
     return run, realised
 
 
@@ -266,6 +268,7 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
                 ceiling = next(r for r in group_rows if r["impl"] == MATMULS_ATTENTION)
                 ours["frac_of_matmuls_attention"] = ours["frac_of_peak"] / ceiling["frac_of_peak"]
             ours["programs_compiled"] = compiled
+            ours["loops_per_step"] = sides["sage_jax"][1]["loops_per_step"]
             ours["vs_transformers"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
             rows += group_rows
     _print_sampler_table(rows)
@@ -281,8 +284,8 @@ def _print_sampler_table(rows: list[dict]) -> None:
         ("tokens", "d"), ("len_p10", ".0f"), ("len_p50", ".0f"), ("len_p90", ".0f"), ("len_max", "d"),
         ("frac_at_max", ".3f"), ("tokens_per_s", ".1f"), ("ms_per_step", ".2f"), ("seconds", ".3f"),
         ("gflops_per_s", ".1f"), ("frac_of_peak", ".2f"), ("frac_of_matmuls_attention", ".2f"),
-        ("vs_transformers", ".2f")])
-    print(f"(tokens: generated before EOS by each side, with their length quantiles; model FLOPs as sage_jax computes "
+        ("vs_transformers", ".2f"), ("loops_per_step", ".2f")])
+    print(f"(loops_per_step: the program's data-dependent loop iterations per decode step; tokens: generated before EOS by each side, with their length quantiles; model FLOPs as sage_jax computes "
           f"them; peak = the '{MATMULS_ONLY}' row: the same weights' matmuls and nothing else, timed in the same loop; "
           f"'{ATTENTION_ONLY}': the decode steps' cache attention and nothing else; '{MATMULS_ATTENTION}': the two "
           "added, a decode step's floor once its attention is counted; frac_of_matmuls_attention: ours against it)")

@@ -155,6 +155,7 @@ def test_bench_sampler_longtail_smoke(tmp_path):
         assert r["workload"] == "longtail" and r["tokens"] == lengths.sum() and r["len_max"] == 40
         assert r["len_p50"] == np.median(lengths) and _finite_positive([r], "tokens_per_s")
     assert rows[0]["vs_transformers"] == pytest.approx(rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"])
+    assert 1 <= rows[0]["loops_per_step"] <= 3  # the loop's iteration, the refill's predicate, some prompt copies
 
 
 def test_bench_sampler_on_an_hf_model_directory(tmp_path):
