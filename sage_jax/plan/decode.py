@@ -20,8 +20,11 @@ For each decode shape (rows decoding at once, over the config's prompt and new-t
 from __future__ import annotations
 
 import dataclasses
+import glob
 import math
+import os
 import re
+import tempfile
 from typing import Any, Sequence
 
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "u16": 2, "s16": 2, "s8": 1, "u8": 1, "pred": 1,
@@ -115,16 +118,16 @@ def check(cfg, config, mesh, rules, shapes, rows: int, chip_name: str, chips: in
     forms = forms or pp.sampler_plan(cfg, config, shapes, mesh).forms
     longer = dataclasses.replace(forms, steps_per_loop=forms.steps_per_loop + 1)
     with jax.set_mesh(mesh), sharding.use_rules(rules):
-        programs = [pp.lower_sampler(cfg, config, rollout, shapes, mesh, forms=f).compile()
-                    for f in ((forms, longer) if count_bytes else (forms,))]
-    cost = {k: _cost(programs[-1], k) - _cost(programs[0], k) for k in ("bytes accessed", "flops")}
-    program = programs[0]
+        hlo, program = _compile_with_text(pp.lower_sampler(cfg, config, rollout, shapes, mesh, forms=forms))
+        longer_program = pp.lower_sampler(cfg, config, rollout, shapes, mesh, forms=longer).compile() \
+            if count_bytes else program
+    cost = {k: _cost(longer_program, k) - _cost(program, k) for k in ("bytes accessed", "flops")}
     devices = mesh.devices.size
     itemsize = jnp.dtype(cfg.compute_dtype).itemsize
     tp = mesh.shape["tensor"] if cfg.num_kv_heads % mesh.shape["tensor"] == 0 else 1
     rows_per_device = rows / shapes.dp
     layer_slice = rows_per_device * (cfg.num_kv_heads // tp) * shapes.cache_len * cfg.head_dim * itemsize
-    found = loop_copies(program.as_text(), int(layer_slice))
+    found = loop_copies(hlo, int(layer_slice))
     ideal = pp.tree_bytes(rollout) + 2 * cfg.num_layers * layer_slice
     step_bytes, step_flops = cost["bytes accessed"], cost["flops"]
     chip = roofline.CHIPS[chip_name]
@@ -132,6 +135,19 @@ def check(cfg, config, mesh, rules, shapes, rows: int, chip_name: str, chips: in
     return DecodeLine(rows, len(found["copies"]), len(found["prefetches"]), step_bytes, ideal, step_flops,
                       rows / chips / seconds if seconds else 0.0, tuple(found["copies"][:4]))
 
+
+
+def _compile_with_text(lowered):
+    """(the optimised HLO module's text, the compiled program): the text from XLA's own dump, since libtpu cannot
+    print some programs back through compiled.as_text() (a RET_CHECK on the async collectives of sharded ones)."""
+    with tempfile.TemporaryDirectory() as folder:
+        compiled = lowered.compile(compiler_options={"xla_dump_to": folder, "xla_dump_hlo_as_text": True,
+                                                     "xla_dump_hlo_pass_re": "^$"})
+        dumps = sorted(glob.glob(os.path.join(folder, "*after_optimizations.txt")), key=os.path.getsize)
+        if not dumps:
+            return compiled.as_text(), compiled
+        with open(dumps[-1]) as f:
+            return f.read(), compiled
 
 
 def _cost(compiled, key: str) -> float:
