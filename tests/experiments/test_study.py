@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 
 from sage_jax.experiments import regime, report, reproduce, runs, smollm2_study, study
+from sage_jax.experiments.stats import fmt
 from sage_jax.run import config as config_lib
 from tests.experiments.test_report import fake
 
@@ -212,9 +213,14 @@ def test_committed_records_rerender_the_committed_numbers(tmp_path, monkeypatch,
     assert len(common) >= (330 if name == "study_countdown" else 100)
     arms = json.loads((out / "results.json").read_text())["per_seed"]
     assert sum(len(by) for by in arms.values()) == (76 if name == "study_countdown" else 21)  # every run
-    if name == "study_countdown":
+    if name == "study_countdown":  # the sweep's table: | gamma | tau | seeds | pass@1 | pass@256 | ...
         sweep = json.loads((out / "results.json").read_text())["sweep"]
-        assert len(sweep) == 5 and {c["seeds"] for c in sweep.values()} == {5}  # 4 cells + the arm's own point
+        rows = re.findall(r"^\| ([\d.]+) \| ([\d.]+) \| 5 \| ([^|]+) \| ([^|]+) \|",
+                          (committed / "RESULTS.md").read_text(), re.M)
+        assert len(rows) == len(sweep) == 5  # 4 cells + the arm's own point
+        for gamma, tau, p1, p256 in rows:
+            cell = sweep[f"gamma{gamma}_tau{tau}"]
+            assert (fmt(*cell["countdown/pass@1"]), fmt(*cell["countdown/pass@256"])) == (p1.strip(), p256.strip())
 
 
 # --------------------------------------------------------------------------------------------------- end to end
