@@ -279,8 +279,8 @@ def write(mod, out: str, runs, sweep=None, guides: Mapping[str, str] | None = No
     """RESULTS.md, results.json and the PNGs in out from the runs' records ({arm: {seed: record}}); the markdown."""
     results = build(mod, runs, sweep or {})
     os.makedirs(out, exist_ok=True)
-    guides = guides or {a: next(iter(by.values())).get("guide", {}) and next(iter(by.values()))["guide"].get("name")
-                        or "none" for a, by in runs.items()}
+    guide = lambda by: (next(iter(by.values())).get("guide") or {}).get("name", "none")
+    guides = guides or {arm: guide(by) for arm, by in runs.items()}
     text = render(mod, out, runs, results, figures(mod, out, results, runs), guides)
     with open(os.path.join(out, "RESULTS.md"), "w", encoding="utf-8") as f:
         f.write(text)

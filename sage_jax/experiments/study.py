@@ -217,6 +217,8 @@ def found_records(jobs: Sequence[Job], results: str, by_cell: bool = False) -> d
 
 def study(args, arms: Sequence[str], overrides: Sequence[str], session: Session) -> None:
     mod = session.mod
+    if args.sweep and "sweep_arm" not in session.config.experiment:
+        raise ValueError(f"--sweep: {args.settings} defines no sweep (experiment.sweep_arm, sweep_gammas, ...)")
     tau, sweep_taus = tau_for(session, arms, args.preset, overrides, compute=not args.report_only)
     jobs = make_jobs(mod, arms, args.seeds, args.preset, overrides, args.results, args.work, tau)
     cells = sweep_jobs(mod, args.preset, args.seeds, overrides, args.results, args.work, tau, sweep_taus) \
@@ -246,6 +248,9 @@ def regime(args, overrides: Sequence[str], session: Session) -> dict[str, Any]:
         if not args.report_only:
             run_all(jobs, session)
         found[name] = found_records(jobs, args.results)
+        if args.report_only and "grpo" not in found[name]:
+            del found[name]  # never run: not part of the search's report
+            continue
         if report.regime_summary(mod, [name], found, costs)[name]["kept"] and not args.regime_all:
             break
     results = report.regime_summary(mod, list(found), found, costs)
@@ -276,6 +281,10 @@ def parse(argv: Sequence[str], command: str = "python -m sage_jax.experiments.st
                    "'off' disables)")
     args = p.parse_args(rest)
     mod = settings(args.settings)
+    if missing := [n for n in ("ARMS", "SEEDS_PER_ARM", "REGIME_CANDIDATES", "parse_arg", "seeds_for", "reference",
+                               "candidate") if not hasattr(mod, n)]:
+        raise ValueError(f"{args.settings} is not a study's settings file (it lacks {', '.join(missing)}): see "
+                         "configs/smollm2_arms.py")
     args.preset = "quick" if args.quick else args.preset or mod.parse_arg(None)[1]
     mod.parse_arg(f"grpo,{args.preset}")  # an unknown preset: one line naming the presets
     args.results = args.results or args.out

@@ -66,6 +66,13 @@ def test_unknown_arms_and_presets_on_the_command_line(tmp_path, settings, flag, 
     assert not any(tmp_path.iterdir())  # refused before anything is written
 
 
+def test_a_settings_file_without_a_study_or_a_sweep_is_one_line(tmp_path):
+    with pytest.raises(ValueError, match="configs/cpu_demo.py is not a study's settings file"):
+        study.main(["--settings", "configs/cpu_demo.py", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="--sweep: .*smollm2_arms.py defines no sweep"):
+        study.main(["--settings", "configs/smollm2_arms.py", "--out", str(tmp_path), "--sweep", "--report-only"])
+
+
 def test_smollm2_seeds_per_arm_and_the_work_list():
     seeds = SMOL.SEEDS_PER_ARM
     assert seeds["grpo"] >= 5 and seeds["branch"] >= 5 and min(seeds.values()) >= 3 and set(seeds) == set(ARMS)
@@ -213,6 +220,17 @@ def test_committed_records_rerender_the_committed_numbers(tmp_path, monkeypatch,
     assert len(common) >= (330 if name == "study_countdown" else 100)
     arms = json.loads((out / "results.json").read_text())["per_seed"]
     assert sum(len(by) for by in arms.values()) == (76 if name == "study_countdown" else 21)  # every run
+    # the regime search from the same files: the same candidates, pass@1 gains, verdicts and choice
+    study.main(["--settings", f"configs/{'countdown' if name == 'study_countdown' else 'smollm2'}_arms.py",
+                "--preset", "study", "--regime", "--regime-all", "--report-only", "--out", str(tmp_path / "regime"),
+                "--results", str(tmp_path / "runs" / "study" if name == "study_countdown" else out)])
+    old, new = (json.loads((where / "regime.json").read_text()) for where in (committed, tmp_path / "regime"))
+    assert new["selected"] == old["selected"] and list(new["candidates"]) == list(old["candidates"])
+    for candidate, was in old["candidates"].items():
+        now = new["candidates"][candidate]
+        gain = was.get("gain") or [was["d_pass@1"]["mean"], was["d_pass@1"]["half"]]
+        assert [now["d_pass@1"]["mean"], now["d_pass@1"]["half"]] == pytest.approx(gain, rel=1e-9)
+        assert now["kept"] == was["kept"] and now["seeds"] == was["seeds"]
     if name == "study_countdown":  # the sweep's table: | gamma | tau | seeds | pass@1 | pass@256 | ...
         sweep = json.loads((out / "results.json").read_text())["sweep"]
         rows = re.findall(r"^\| ([\d.]+) \| ([\d.]+) \| 5 \| ([^|]+) \| ([^|]+) \|",
