@@ -121,11 +121,12 @@ def finished(job: Job, known: dict[tuple[str, int], str], quiet: bool = False) -
 
 
 class Session:
-    """The settings, the task and the base model, loaded on first use (a rerun with nothing to do loads neither)."""
+    """The settings, the task and the base models, loaded on first use (a rerun with nothing to do loads neither).
+    An SFT base is trained once per distinct SFT setting (a regime candidate may change it); a pretrained one is one."""
 
     def __init__(self, mod, config, command: str, results: str, work: str):
         self.mod, self.config, self.command, self.results, self.work = mod, config, command, results, work
-        self._tasks, self._base = None, None
+        self._tasks, self._bases = None, {}
 
     @property
     def task(self):
@@ -135,32 +136,43 @@ class Session:
 
     @property
     def base(self):
-        if self._base is None:
-            base = self.config.copy_and_resolve_references()
-            base.experiment.rl, base.seed = False, 0
-            workdir = os.path.join(self.work, "base", f"sft-{fingerprint(self.mod, base)[:8]}")
-            task, sft_task = self.task, self._tasks[1]
+        return self.base_for(self.config)
+
+    def base_for(self, config):
+        """(model config, host parameters, weights fingerprint) of the base the config's runs start from."""
+        task, sft_task = self.task, self._tasks[1]
+        base = config.copy_and_resolve_references()
+        base.experiment.rl, base.seed = False, 0
+        key = fingerprint(self.mod, base) if sft_task is not None else "pretrained"
+        if key not in self._bases:
+            workdir = os.path.join(self.work, "base", f"sft-{key[:8]}")
             with timed(workdir, "sft") if sft_task is not None else contextlib.nullcontext():
-                self._base = measure.load_base(self.mod, self.config, task, sft_task, workdir)
-            self._check_weights()
-        return self._base
+                self._bases[key] = measure.load_base(self.mod, base, task, sft_task, workdir)
+            self._check_weights(self._bases[key][2], sft_task is not None)
+        return self._bases[key]
 
     def check(self, config) -> None:
-        """A job's model and problems must be the session's (a candidate may change RL settings only)."""
-        keys = ("model.", "data.", "sft.") if self._tasks and self._tasks[1] is not None else ("model.", "data.")
-        shared = lambda c: {k: v for k, v in flat(c.to_dict()).items() if k.startswith(keys)}
+        """A job's model and problems must be the session's (a candidate may change RL and SFT settings only)."""
+        shared = lambda c: {k: v for k, v in flat(c.to_dict()).items() if k.startswith(("model.", "data."))}
         if shared(config) != shared(self.config) or config.experiment.get("data_seed") != \
                 self.config.experiment.get("data_seed"):
             raise ValueError("this run changes the model or the problem sets: run it in a study of its own")
 
-    def _check_weights(self) -> None:
-        """The committed results must come from these weights: a mismatch stops the study before it mixes them."""
-        weights = self._base[2]
-        for path in glob.glob(os.path.join(self.results, "**", "seed*.json"), recursive=True):
+    def _check_weights(self, weights: str, trained: bool) -> None:
+        """The committed results must come from these weights: a mismatch stops the study before it mixes them. An
+        SFT base retrained in a fresh --work may differ in its last bits: its own evaluations are compared, with a
+        warning."""
+        pattern = os.path.join(self.results, "runs", "base", "seed*.json") if trained else \
+            os.path.join(self.results, "**", "seed*.json")
+        for path in glob.glob(pattern, recursive=True):
             record = read_result(path)
             if record is not None and record.get("weights") not in (None, weights):
-                raise ValueError(f"{path} was made from other weights ({record['weights']}, these are {weights}): "
-                                 "use the same model or move the result files aside")
+                message = f"{path} was made from other weights ({record['weights']}, these are {weights})"
+                if trained:
+                    print(f"[base] WARNING: {message}: the runs recorded there started from another SFT base",
+                          flush=True)
+                    continue
+                raise ValueError(f"{message}: use the same model or move the result files aside")
 
 
 def tau_for(session: Session, arms: Sequence[str], preset: str, overrides, compute: bool) -> tuple[Any, list]:
@@ -201,7 +213,7 @@ def run_all(jobs: Sequence[Job], session: Session) -> None:
                 print(f"[{one.label}] another process is running it; skipped here", flush=True)
             elif not finished(one, index(session.results), quiet=True):  # it may have finished since the check
                 session.check(one.config)
-                run_job(session.mod, one, session.task, session.base, session.command)
+                run_job(session.mod, one, session.task, session.base_for(one.config), session.command)
 
 
 def found_records(jobs: Sequence[Job], results: str, by_cell: bool = False) -> dict[str, dict[int, dict[str, Any]]]:

@@ -115,7 +115,7 @@ def test_finished_files_are_skipped_and_a_mismatched_fingerprint_is_not(tmp_path
     runs.write_result(nokl.path, fake("nokl", 0, "made-with-other-settings", [1, 2]))
     ran = []
     monkeypatch.setattr(study, "run_job", lambda mod, job, task, base, command: ran.append(job.label))
-    session = types.SimpleNamespace(mod=SMOL, task=None, base=None, command="cmd", results=out,
+    session = types.SimpleNamespace(mod=SMOL, task=None, base_for=lambda config: None, command="cmd", results=out,
                                     check=lambda config: None)
     study.run_all([grpo, nokl], session)
     assert ran == ["runs/nokl/seed0"]
@@ -268,11 +268,17 @@ def test_tiny_countdown_study_runs_resumes_and_reports(tmp_path):
     stamp = (out / "runs" / "grpo" / "seed0.json").stat().st_mtime_ns
     study.main(args)  # everything finished: skipped
     assert (out / "runs" / "grpo" / "seed0.json").stat().st_mtime_ns == stamp
-    # the regime search on the same base: its GRPO seed 0 is the study's run (same settings), seed 1 runs
-    study.main(args[:6] + ["--work", str(work), "--regime", "--seeds", "2", "--candidates", "round1"])
-    found = json.loads((out / "regime.json").read_text())["candidates"]["round1"]
-    assert found["seeds"] == 2 and found["split"] == "countdown_rl" and found["reason"].split(":")[0] in (
-        "kept", "dropped")
+    # the regime search: round1's GRPO seed 0 is the study's run (same settings); the skewed candidate trains a
+    # second SFT base (other demonstration weights) and starts its runs from it
+    study.main(args[:6] + ["--work", str(work), "--regime", "--regime-all", "--seeds", "2", "--candidates",
+                           "round1,steps200_skew"])
+    found = json.loads((out / "regime.json").read_text())["candidates"]
+    assert [found[c]["seeds"] for c in ("round1", "steps200_skew")] == [2, 2]
+    assert all(r["split"] == "countdown_rl" and r["reason"].split(":")[0] in ("kept", "dropped")
+               for r in found.values())
+    assert len(list((work / "base").glob("sft-*"))) == 2
+    weights = {runs.read_result(str(p))["weights"] for p in (out / "regime").glob("*/grpo/seed1.json")}
+    assert len(weights) == 2
 
 
 @pytest.mark.slow
