@@ -108,7 +108,13 @@ def candidate(name: str, preset: str) -> dict[str, Any]:
     """A regime candidate's settings over the arms' config. They are relative to smollm2_cpu, so a frozen REGIME is
     undone first (a rerun after the freeze still finds the candidates' committed runs)."""
     cpu = smollm2_cpu.get_config("quick" if preset == "quick" else None)
-    return {**{k: cpu[k.split(".")[0]][k.split(".")[1]] for k in REGIME}, **REGIME_CANDIDATES[name][0]}
+
+    def value(key: str) -> Any:
+        node = cpu
+        for part in key.split("."):
+            node = node[part]
+        return node
+    return {**{k: value(k) for k in REGIME}, **REGIME_CANDIDATES[name][0]}
 
 
 def _set(c: ml_collections.ConfigDict, dotted: dict[str, Any]) -> None:
