@@ -1,17 +1,20 @@
 """The CPU-scale SAGE comparison on countdown: one shared SFT base, then RL with each arm (sage_jax.experiments).
 
-    python -m sage_jax.experiments.reproduce --out DIR --quick                 # ~15 min on 2 free CPU cores
-    python -m sage_jax.experiments.reproduce --out DIR                         # every arm x 3 seeds
-    python -m sage_jax.experiments.regime --out docs/results/study_countdown/regime.md  # the study's regime (GRPO)
-    python -m sage_jax.experiments.reproduce --budget study --arms STUDY --sweep \
-        --out docs/results/study_countdown --records docs/results/study_countdown/runs   # round 2 (SEEDS_PER_ARM)
+    S="python -m sage_jax.experiments.study --settings configs/countdown_arms.py"
+    $S --preset quick --out DIR                               # ~15 min on 2 free CPU cores
+    $S --preset study --regime --out docs/results/study_countdown --results RUNS/study   # the regime (GRPO)
+    $S --preset study --sweep --out docs/results/study_countdown --results RUNS/study    # round 2 (SEEDS_PER_ARM)
     python -m sage_jax.train --config configs/countdown_arms.py:grpo_branch,quick --workdir /tmp/one_arm
+
+RUNS: docs/results/study_countdown/runs.tar.xz unpacked (the study's result files). The old commands
+(`sage_jax.experiments.reproduce --budget B --records RUNS`, `sage_jax.experiments.regime`) are aliases of these.
 
 arg: "ARM" or "ARM,BUDGET" with ARM one of ARMS (default grpo) and BUDGET tiny | quick | full | study (default full).
 Every arm shares everything below except its entry in ARMS. The base model is an SFT warm-start whose
 demonstrations spread unevenly over valid strategies (mul 0.7, add 0.2, sub 0.07, div 0.03: a dominant mode and
 rarer valid ones), so RL can either sharpen onto the dominant mode or keep the rare ones.
-Run alone with sage_jax.train, a config does its own SFT first; the experiment trains the base once and shares it.
+Run alone with sage_jax.train, a config does its own SFT first; the study trains the base once and shares it.
+This file is also the study's settings (sage_jax/experiments/study.py): the names in capitals below.
 """
 
 from typing import Any
@@ -31,6 +34,7 @@ RKL = {"loss.kl_estimator": "k1", "loss.kl_in_reward": True}
 
 # Each arm's difference from GRPO (k3 reverse-KL anchor to pi_ref, no guide, seq-mean-token-mean).
 ARMS: dict[str, dict[str, Any]] = {
+    "base": {"experiment.rl": False},  # the shared SFT model, evaluated (never trained by RL)
     "grpo": {},
     "grpo_nokl": {"loss.kl_estimator": "none", "loss.beta": 0.0},
     "fkl": {"loss.kl_estimator": "forward-seq"},
@@ -85,10 +89,12 @@ BUDGETS: dict[str, dict[str, Any]] = {
 }
 
 # Seeds per arm in the study: 10 for the main Branch arms and their GRPO baselines (same estimator, no guide), 5 else
-SEEDS_PER_ARM = {"grpo": 10, "grpo_branch": 10, "grpo_rkl": 10, "grpo_branch_paper": 10, "grpo_nokl": 5, "fkl": 5,
-                 "grpo_token": 5, "grpo_random": 5, "grpo_entropy": 5, "grpo_top_entropy": 5, "grpo_kl_cov": 5}
+# (the base: the SFT model, evaluated once)
+SEEDS_PER_ARM = {"base": 1, "grpo": 10, "grpo_branch": 10, "grpo_rkl": 10, "grpo_branch_paper": 10, "grpo_nokl": 5,
+                 "fkl": 5, "grpo_token": 5, "grpo_random": 5, "grpo_entropy": 5, "grpo_top_entropy": 5,
+                 "grpo_kl_cov": 5}
 
-# The study's shared regime, frozen from `python -m sage_jax.experiments.regime` (its selected row) before any arm
+# The study's shared regime, frozen from the regime search (`study.py --regime`; regime.json's selected) before any arm
 # runs, and never changed after a guide's results are seen. Frozen on 2026-12-01 to the selected candidate "round1"
 # (no overrides: the study budget as above), the cheapest one GRPO sharpens in on the RL prompts
 # (docs/results/study_countdown/regime.md, regime.json's "selected").
@@ -112,9 +118,59 @@ REGIME_CANDIDATES: dict[str, tuple[dict[str, Any], str]] = {
 }
 
 
-def seeds_for(arm: str, budget: str, default: int) -> int:
-    """Seeds an arm gets: SEEDS_PER_ARM's under the study budget (capped by default), else default."""
-    return min(default, SEEDS_PER_ARM.get(arm, default)) if budget == "study" else default
+def seeds_for(arm: str, budget: str) -> int:
+    """Seeds an arm gets: the base 1 (one SFT model, evaluated once); SEEDS_PER_ARM's under the study budget (capped
+    by experiment.seeds), else the budget's experiment.seeds."""
+    default = BUDGETS[budget].get("experiment.seeds", 3)
+    return 1 if arm == "base" else min(default, SEEDS_PER_ARM.get(arm, default)) if budget == "study" else default
+
+
+# ------------------------------------------------------------------------------------------ the study's settings
+TITLE = "SAGE on countdown (CPU scale)"
+DESCRIPTION = ("RL from one shared SFT base on countdown (reach a target with + - * / using each given number once). "
+               "The base's SFT demonstrations spread unevenly over valid strategies (mul 0.7, add 0.2, sub 0.07, div "
+               "0.03), so RL can sharpen onto the dominant mode or keep the rare ones. Every arm starts from the same "
+               "base with the same seeds and differs from GRPO only in its row of ARMS (configs/countdown_arms.py). "
+               "ID: held-out problems from the training generator; OOD: numbers beyond the training range; RL-prompt: "
+               "the RL prompts themselves. pass@k: the unbiased estimator from n samples per problem.")
+BASE_MODEL = "sft"  # the base: trained once by SFT on the first experiment.sft_problems problems
+SPLITS = {"countdown": ("countdown", "eval.problems", "ID"),
+          "countdown_rl": ("countdown_rl", "experiment.rl_eval_problems", "RL-prompt"),
+          "countdown_ood": ("countdown_ood", "experiment.ood_problems", "OOD")}
+TAIL = 0.1  # "(end)": the mean over the last 10% of RL steps
+# each arm against its baseline: the paper-form Branch against GRPO with the same (k1-in-reward) anchor
+PAIRS = (("grpo_branch", "grpo"), ("grpo_branch_paper", "grpo_rkl"), ("grpo_rkl", "grpo"), ("grpo_token", "grpo"),
+         ("grpo_random", "grpo"), ("fkl", "grpo"), ("grpo_nokl", "grpo"), ("grpo_entropy", "grpo"),
+         ("grpo_top_entropy", "grpo"), ("grpo_kl_cov", "grpo"), ("dapo_branch", "dapo"), ("bnpo_branch", "bnpo"))
+PAIR_METRICS = (("countdown/pass@1", "ID pass@1"), ("countdown/pass@{n}", "ID pass@{n}"),
+                ("countdown_ood/pass@1", "OOD pass@1"), ("countdown_ood/pass@{n}", "OOD pass@{n}"),
+                ("countdown/distinct", "ID distinct"), ("countdown_rl/pass@1", "RL-prompt pass@1"),
+                ("countdown_rl/pass@{n}", "RL-prompt pass@{n}"), ("countdown_rl/distinct", "RL-prompt distinct"))
+PRIMARY = ("grpo_branch", "grpo", 1)
+# the regime search (regime.py): GRPO's pass@1 on the RL prompts up by 0.05 with an interval above 0, and distinct
+# solutions or pass@n down
+REGIME_RULE = {"split": "countdown_rl", "min_gain": 0.05, "fall": ("distinct", "pass@n"), "fall_interval": False}
+# what a run's fingerprint leaves out (the SFT settings count: every run starts from the SFT base)
+IGNORED = ("model.path", "tokenizer_path", "mesh.", "rollout.slots", "eval.at_start", "eval.at_end",
+           "train.allow_config_change", "train.ckpt_every", "train.eval_every", "train.export_hf", "train.keep_ckpts",
+           "train.progress", "train.reward_memory_mb", "train.reward_timeout", "train.reward_workers",
+           "train.sample_every", "train.use_tensorboard", "train.use_wandb", "train.logprob_rows", "experiment.arm",
+           "experiment.budget", "experiment.seeds", "experiment.sweep_", "experiment.primary_split",
+           "experiment.tau_quantile", "experiment.entropy_")
+BASE_KEYS = ("model.", "data.", "sft.", "eval.", "seed", "experiment.sft_problems", "experiment.ood_problems",
+             "experiment.rl_eval_problems", "experiment.rows_per_call")
+ENTROPY_KEYS = ("model.", "data.", "sft.", "rollout.", "experiment.sft_problems", "experiment.entropy_")
+
+
+def reference(budget: str) -> str:
+    """The config each run's recorded settings are the differences from."""
+    return f"{__file__}:grpo,{budget}"
+
+
+def candidate(name: str, budget: str) -> dict[str, Any]:
+    """A regime candidate's settings (under `tiny`, only those tiny leaves alone: the smoke keeps its sizes)."""
+    settings = REGIME_CANDIDATES[name][0]
+    return {k: v for k, v in settings.items() if budget != "tiny" or k not in BUDGETS["tiny"]}
 
 
 def _set(c: ml_collections.ConfigDict, dotted: dict[str, Any]) -> None:
@@ -158,7 +214,9 @@ def get_config(arg=None):
         sweep_taus=(0.3, 0.6, 1.2), sweep_tau_quantiles=(), sweep_seeds=1,
         # rl_eval_problems > 0: also evaluate the first that many RL prompts (split countdown_rl, trained on);
         # primary_split: the split the regime search judges GRPO's sharpening on
-        rl_eval_problems=0, primary_split="countdown"))
+        rl_eval_problems=0, primary_split="countdown",
+        rl=True,  # False: the base arm (the SFT model evaluated)
+        entropy_prompts=32, entropy_group=8))  # the base's entropy profile: held-out prompts x samples
     _set(c, BUDGETS[budget])
     if budget == "study":
         _set(c, REGIME)

@@ -1,21 +1,24 @@
 """The SmolLM2-135M-Instruct study (issue 39): each arm as its difference from configs/smollm2_cpu.py.
 
-    python -m sage_jax.experiments.smollm2_study --regime --out docs/results/smollm2_study --work /tmp/smol_study
-    python -m sage_jax.experiments.smollm2_study --out docs/results/smollm2_study --work /tmp/smol_study
-    python -m sage_jax.experiments.smollm2_study --out docs/results/smollm2_study --report-only
+    S="python -m sage_jax.experiments.study --settings configs/smollm2_arms.py"
+    $S --regime --out docs/results/smollm2_study --work /tmp/smol_study
+    $S --out docs/results/smollm2_study --work /tmp/smol_study
+    $S --out docs/results/smollm2_study --report-only
     python -m sage_jax.train --config configs/smollm2_arms.py:grpo --workdir /tmp/one_arm   # one arm alone
 
 arg: "ARM" or "ARM,quick" with ARM one of ARMS. A config is configs/smollm2_cpu.py (its `:quick` preset under
 `quick`), then STUDY (what every arm shares: the held-out set, n, bookkeeping), then the frozen REGIME, then the
-arm's own entry in ARMS; nothing else differs (tests/experiments/test_smollm2_study.py checks it). The study's
-harness (sage_jax.experiments.smollm2_study) evaluates with its own loop, so the trainer's before/after evaluations
-are off here; `sage_jax.train` on one arm trains it and exports nothing else (Branch then keeps loss.tau = 1.2: the
-harness sets tau from the base's entropies; `base` is the harness's evaluation-only arm).
+arm's own entry in ARMS; nothing else differs (tests/experiments/test_study.py checks it). The study harness
+(sage_jax.experiments.study; `sage_jax.experiments.smollm2_study` is its old alias, every flag as it is) evaluates
+with its own loop, so the trainer's before/after evaluations are off here; `sage_jax.train` on one arm trains it
+and exports nothing else (Branch then keeps loss.tau = 1.2: the harness sets tau from the base's entropies; `base`
+is the harness's evaluation-only arm). This file is also the study's settings: the names in capitals below.
 Cost on the shared 2-core machine (CPU time, the process's own): an evaluation of 96 problems x 32 samples ~5 CPU-min
 (0.1 CPU-s per sample, measured 2026-12-04), an RL step of 4 x 8 rollouts ~40 CPU-s (docs/results/smollm2/rl.md:
 680 CPU-s for 8 steps and two small evaluations): an 8-step run ~11 CPU-min, a 16-step one ~16.
 """
 
+import os
 from typing import Any
 
 import ml_collections
@@ -75,6 +78,43 @@ REGIME_CANDIDATES: dict[str, tuple[dict[str, Any], str]] = {
     "steps16_lr2e-4": ({"train.steps": 16}, "twice the steps: more time to sharpen"),
     "steps16_lr5e-4": ({"train.steps": 16, "optim.lr": 5e-4}, "longer and faster: the strongest sharpening tried"),
 }
+
+
+# ------------------------------------------------------------------------------------------ the study's settings
+TITLE = "GRPO against SAGE-Branch on SmolLM2-135M-Instruct (CPU)"
+DESCRIPTION = ("Held-out: 96 generated arithmetic word problems disjoint from the training problems, n = 32 samples "
+               "each; pass@k by the unbiased estimator, averaged over problems. The base is the pretrained model "
+               "evaluated with each seed's sampling key. *distinct correct forms*: distinct arithmetic written out "
+               "among a problem's correct samples; *distinct answers*: distinct final numbers among all n samples.")
+# each comparison: arm minus its reference, paired by seed; Branch - GRPO first (the study's question)
+PAIRS = (("branch", "grpo"), ("grpo", "base"), ("branch", "base"), ("nokl", "grpo"), ("top_entropy", "grpo"))
+PAIR_METRICS = (("heldout/pass@1", "pass@1"), ("heldout/pass@{k16}", "pass@{k16}"), ("heldout/pass@{n}", "pass@{n}"),
+                ("heldout/distinct_forms", "distinct forms"))
+PRIMARY = ("branch", "grpo", 16)  # the comparison the study is sized for: Branch - GRPO on pass@16
+# the regime search (regime.py): GRPO's pass@1 up and pass@n down, both intervals excluding 0
+REGIME_RULE = {"split": "heldout", "min_gain": 0.0, "fall": ("pass@n",), "fall_interval": True}
+
+
+def seeds_for(arm: str, preset: str) -> int:
+    return SEEDS_PER_ARM[arm]
+
+
+def reference(preset: str) -> str:
+    """The config each run's recorded settings are the differences from: smollm2_cpu (its quick preset)."""
+    return os.path.join(os.path.dirname(__file__), "smollm2_cpu.py") + (":quick" if preset == "quick" else "")
+
+
+def candidate(name: str, preset: str) -> dict[str, Any]:
+    """A regime candidate's settings over the arms' config. They are relative to smollm2_cpu, so a frozen REGIME is
+    undone first (a rerun after the freeze still finds the candidates' committed runs)."""
+    cpu = smollm2_cpu.get_config("quick" if preset == "quick" else None)
+
+    def value(key: str) -> Any:
+        node = cpu
+        for part in key.split("."):
+            node = node[part]
+        return node
+    return {**{k: value(k) for k in REGIME}, **REGIME_CANDIDATES[name][0]}
 
 
 def _set(c: ml_collections.ConfigDict, dotted: dict[str, Any]) -> None:

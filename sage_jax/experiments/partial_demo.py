@@ -70,7 +70,8 @@ def report(out: str, seeds: int) -> str:
              "sampling, prompt order; both arms share the seed's SFT checkpoint). Differences on - off: mean +- "
              f"95% t half-width over {len(paired)} seeds, p (Holm over the {len(tests)} comparisons), and the "
              "smallest difference detectable at 80% power (MDE).\n",
-             "| held-out set | metric | off (mean) | on (mean) | on - off | p (Holm) | MDE |", "|---|---|---:|---:|---:|---:|---:|"]
+             "| held-out set | metric | off (mean) | on (mean) | on - off | p (Holm) | MDE |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for (name, metric, t), p in zip(tests, adjusted):
         mean = lambda arm: sum(runs[(arm, s)]["after"][name][metric] for s in paired) / len(paired)
         lines.append(f"| {name} | {metric} | {mean('off'):.3f} | {mean('on'):.3f} | {fmt(t['mean'], t['half'])} | "

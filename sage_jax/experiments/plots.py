@@ -12,7 +12,7 @@ import numpy as np
 FAMILIES = (("grpo", "grpo_rkl", "grpo_nokl", "fkl", "grpo_random", "grpo_token", "grpo_branch", "grpo_branch_paper"),
             ("grpo", "grpo_entropy", "grpo_top_entropy", "grpo_kl_cov", "grpo_branch", "grpo_branch_paper"),
             ("grpo", "dapo", "dapo_branch", "bnpo", "bnpo_branch"),
-            ("grpo", "branch", "nokl", "top_entropy"))  # the SmolLM2 study's arms (smollm2_study.py)
+            ("grpo", "branch", "nokl", "top_entropy"))  # the SmolLM2 study's arms (configs/smollm2_arms.py)
 
 
 def _plt():
@@ -137,46 +137,25 @@ def training(curves: Mapping[str, Sequence[Mapping[str, Sequence]]], path: str) 
     plt.close(fig)
 
 
-def strategy_shares(rows: Mapping[str, Mapping[str, tuple[float, float]]], strategies: Sequence[str],
-                    path: str, title: str) -> None:
-    """Grouped bars: share of each strategy among correct samples, one bar per run (error bar: 95% over seeds)."""
+def vs_base(per_seed: Mapping[str, Mapping[int, Mapping[str, Any]]], key: str, path: str) -> None:
+    """pass@k minus the base's, paired by seed (mean, 95% band), one line per arm."""
     plt = _plt()
-    names = list(rows)
-    width = 0.8 / max(len(names), 1)
-    fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(strategies) * len(names) * 0.35), 4))
-    x = np.arange(len(strategies))
-    for i, name in enumerate(names):
-        means = [rows[name][s][0] for s in strategies]
-        halves = [rows[name][s][1] for s in strategies]
-        errs = None if all(math.isnan(h) for h in halves) else [0.0 if math.isnan(h) else h for h in halves]
-        ax.bar(x + (i - (len(names) - 1) / 2) * width, means, width, yerr=errs, label=name, capsize=2)
-    ax.set_xticks(x, strategies)
-    ax.set_yscale("log")
-    ax.set_ylabel("share of correct samples (log)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def heatmaps(grids: Mapping[str, np.ndarray], gammas: Sequence[float], taus: Sequence[float], path: str) -> None:
-    """One annotated gamma x tau heatmap per metric."""
-    plt = _plt()
-    fig, axes = plt.subplots(1, len(grids), figsize=(4.2 * len(grids), 3.6), squeeze=False)
-    for ax, (name, grid) in zip(axes[0], grids.items()):
-        im = ax.imshow(grid, cmap="viridis", origin="lower", aspect="auto")
-        for i in range(grid.shape[0]):
-            for j in range(grid.shape[1]):
-                if np.isfinite(grid[i, j]):
-                    ax.text(j, i, f"{grid[i, j]:.3f}", ha="center", va="center", color="white", fontsize=8)
-        ax.set_xticks(range(len(taus)), [str(t) for t in taus])
-        ax.set_yticks(range(len(gammas)), [str(g) for g in gammas])
-        ax.set_xlabel("tau")
-        ax.set_ylabel("gamma")
-        ax.set_title(name)
-        fig.colorbar(im, ax=ax, fraction=0.046)
+    arms = [a for a in per_seed if a != "base"]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for arm in arms:
+        mean, half = paired_curve(per_seed, arm, "base", key)
+        if mean:
+            _band(ax, np.arange(1, len(mean) + 1), mean, half, _color(arm, arms), arm, **_style(arm))
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    n = len(next(iter(per_seed["base"].values()))[key])
+    ticks = [k for k in (2 ** i for i in range(12)) if k <= n]
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [str(k) for k in ticks])
+    ax.set_xlabel("k")
+    ax.set_ylabel("pass@k − base (same seeds)")
+    ax.set_title("pass@k minus the base's, paired by seed")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,249 +1,198 @@
-"""RESULTS.md, results.json and the figures from the experiment's run records (see reproduce.py for their layout)."""
+"""A study's report from its result files alone: RESULTS.md, results.json and the figures (pass@k per arm with 95%
+bands over seeds, pass@k minus the base's paired by seed, training curves, the Branch sweep). Statistics are
+stats.py's: 95% t-intervals over seeds, paired-by-seed t-tests with Holm's correction over every comparison made
+(the settings file's PAIRS x PAIR_METRICS), and the minimum detectable effect of each. Also the regime search's
+regime.md / regime.json (regime.py states the rule)."""
 
 from __future__ import annotations
 
 import math
 import os
+import statistics
+from collections import Counter
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from sage_jax.eval import passk as evaluation
 from sage_jax.experiments import plots
-from sage_jax.experiments.stats import aggregate, fmt, holm, paired_diffs, paired_test, summarize_run
-from sage_jax.rewards import countdown
+from sage_jax.experiments.measure import SPLITS
+from sage_jax.experiments.runs import option, write_result
+from sage_jax.experiments.stats import aggregate, fmt, holm, mean_ci, paired_diffs, paired_test, pass_curve
 
-SPLIT_NAMES = {"countdown": "held-out (ID)", "countdown_ood": "OOD (wider number range)",
-               "countdown_rl": "RL prompts (trained on)"}
-RL = "countdown_rl"
-# each arm against its baseline: the paper-form Branch against GRPO with the same (k1-in-reward) anchor
-PAIRS = (("grpo_branch", "grpo"), ("grpo_branch_paper", "grpo_rkl"), ("grpo_rkl", "grpo"), ("grpo_token", "grpo"),
-         ("grpo_random", "grpo"), ("fkl", "grpo"), ("grpo_nokl", "grpo"), ("grpo_entropy", "grpo"),
-         ("grpo_top_entropy", "grpo"), ("grpo_kl_cov", "grpo"), ("dapo_branch", "dapo"), ("bnpo_branch", "bnpo"))
 ACTED_TOL = 0.01  # a guided arm whose q_mean over training stays within 1% of 1 did not act
-CI_NOTE = ("Cells are mean ± half-width of the 95% Student-t interval over seeds (t_{0.975, s-1} · sd / √s, sd "
-           "with ddof 1); a cell without ± comes from one seed (no interval). The base row is one evaluation of the "
-           "shared SFT model.")
+READING, REGIME = "reading.md", "regime.md"  # hand-written after the results; the regime search's report
 
 
-def _row(cells: Sequence[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
+def _tail(values: Sequence[float | None], frac: float) -> float:
+    x = [v for v in values or [] if v is not None]
+    return float(np.mean(x[-max(1, int(round(len(x) * frac))):])) if x else math.nan
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]], align_first: bool = True) -> str:
-    sep = ["---"] + ["---:"] * (len(header) - 1) if align_first else ["---:"] * len(header)
-    return "\n".join([_row(header), _row(sep)] + [_row(r) for r in rows]) + "\n"
+def summarize(mod, record: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's scalars and pass@k curves per split, recomputed from its per-problem counts."""
+    out: dict[str, Any] = {}
+    for split, ev in record["eval"].items():
+        curve = pass_curve([{"n": n, "correct": c} for n, c in zip(ev["n"], ev["correct"])])
+        out[f"{split}/curve"] = curve
+        out |= {f"{split}/pass@{k}": v for k, v in enumerate(curve, 1)}
+        for key in ("distinct", "distinct_forms", "distinct_correct", "distinct_answers"):
+            if key in ev:
+                out[f"{split}/{key}"] = float(np.mean(ev[key]))
+        if "solutions" in ev:
+            out[f"{split}/coverage"] = float(np.mean([d / s for d, s in zip(ev["distinct"], ev["solutions"])]))
+        if "strategies" in ev:  # each strategy's share of the correct samples
+            counts = sum((Counter(c) for c in ev["strategies"]), Counter())
+            out |= {f"{split}/share/{k}": v / sum(counts.values()) for k, v in sorted(counts.items())}
+    curves, guide = record.get("curves") or {}, record.get("guide") or {}
+    for name in ("entropy", "reward", "kl", "kl_ref"):
+        if curves.get(name):
+            out[f"train/{name}_end"] = _tail(curves[name], option(mod, "TAIL", 0.25))
+    for name in ("q_mean", "q_p90", "q_active"):
+        value = guide.get(name) if guide.get(name) is not None else _tail(curves.get(name), 1.0)
+        if not math.isnan(value):
+            out[f"train/{name}"] = float(value)
+    if curves.get("kl_cov"):
+        out["train/kl_cov_max"] = float(max(abs(v) for v in curves["kl_cov"] if v is not None))
+    times = record.get("times") or {}
+    out["cpu_min"] = (times.get("train_cpu_s", 0.0) + times.get("eval_cpu_s", 0.0)) / 60
+    return out
 
 
-def _ks(n: int) -> list[int]:
-    return evaluation.default_ks(n)
+def pair_metrics(mod, n: int) -> list[tuple[str, str]]:
+    """(key, label) of every paired comparison's metric, the settings' PAIR_METRICS with n filled in."""
+    rows = [(k.format(n=n, k16=min(16, n)), label.format(n=n, k16=min(16, n)))
+            for k, label in option(mod, "PAIR_METRICS", ())]
+    return list(dict.fromkeys(rows))
+
+
+def build(mod, runs: Mapping[str, Mapping[int, Mapping[str, Any]]],
+          sweep: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> dict[str, Any]:
+    per_seed = {arm: {s: summarize(mod, r) for s, r in sorted(by.items())} for arm, by in runs.items()}
+    agg = {arm: aggregate(list(rows.values())) for arm, rows in per_seed.items() if rows}
+    n = min(int(r["n"]) for by in runs.values() for r in by.values())
+    rows = [{"pair": (a, b), "key": key, "metric": label, **paired_test(paired_diffs(per_seed[a], per_seed[b], key))}
+            for a, b in option(mod, "PAIRS", ()) if a in per_seed and b in per_seed
+            for key, label in pair_metrics(mod, n)]
+    for row, p in zip(rows, holm([r["p"] for r in rows])):
+        row["p_holm"] = p
+    cells = {cell: {k: v for k, v in aggregate([summarize(mod, r) for _, r in sorted(by.items())]).items()
+                    if not k.endswith("/curve")} | {"seeds": len(by)} for cell, by in sweep.items() if by}
+    return {"per_seed": per_seed, "aggregate": agg, "n": n, "comparisons": rows, "warnings": warnings(runs),
+            "sweep": cells}
+
+
+def warnings(runs: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> list[str]:
+    out = []
+    for arm, by_seed in runs.items():
+        if len({r.get("arm_fingerprint") for r in by_seed.values()}) > 1:
+            out.append(f"{arm}: its seeds were made with different settings (arm_fingerprint differs); rerun the "
+                       "odd ones with the current config")
+    weights = {r.get("weights") for by_seed in runs.values() for r in by_seed.values()}
+    if len(weights) > 1:
+        out.append(f"the runs started from {len(weights)} different sets of weights: {sorted(map(str, weights))}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- tables
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    line = lambda cells: "| " + " | ".join(cells) + " |"
+    return "\n".join([line(header), line(["---"] + ["---:"] * (len(header) - 1))] + [line(r) for r in rows]) + "\n"
 
 
 def _cell(agg: Mapping[str, Any], key: str, digits: int = 3) -> str:
     return fmt(*agg.get(key, (math.nan, math.nan)), digits=digits)
 
 
-def _signed(mean: float, half: float, count: int) -> str:
-    if math.isnan(mean):
-        return "–"
-    text = f"{mean:+.3f}" + ("" if math.isnan(half) else f" ± {half:.3f}")
-    return text + (" *" if not math.isnan(half) and abs(mean) > half else "") + ("" if count > 1 else " (1 seed)")
-
-
-def build(base_record: Mapping[str, Any], records: Mapping[str, Mapping[int, Mapping[str, Any]]],
-          sweep: Mapping[tuple[float, float], Mapping[int, Mapping[str, Any]]], meta: Mapping[str, Any]
-          ) -> dict[str, Any]:
-    """Summaries per arm and seed, aggregates over seeds, sweep cells: the content of results.json."""
-    per_seed = {arm: {seed: summarize_run(rec) for seed, rec in sorted(runs.items())} for arm, runs in records.items()}
-    base = summarize_run(base_record)
-    agg = {arm: aggregate(list(runs.values())) for arm, runs in per_seed.items() if runs}
-    sweep_cells = {}
-    for (gamma, tau), runs in sorted(sweep.items()):
-        summaries = [summarize_run(r) for _, r in sorted(runs.items())]
-        if summaries:
-            sweep_cells[f"gamma={gamma},tau={tau}"] = {"gamma": gamma, "tau": tau, "seeds": len(summaries),
-                                                       **{k: v for k, v in aggregate(summaries).items()
-                                                          if not k.endswith("/curve")}}
-    return {"meta": dict(meta), "base": base, "per_seed": per_seed, "aggregate": agg, "sweep": sweep_cells,
-            "curves": {arm: [rec.get("curves", {}) for _, rec in sorted(runs.items())]
-                       for arm, runs in records.items()}}
-
-
-def _headline(results: Mapping[str, Any], splits: Sequence[str], n: int) -> str:
-    id_split, ood = splits[0], splits[-1]
-    header = ["arm", "seeds", "ID pass@1", "ID pass@16" if n >= 16 else "ID pass@" + str(n // 2 or 1),
-              f"ID pass@{n}", "OOD pass@1", f"OOD pass@{n}", "ID distinct sols / problem", "ID coverage",
-              "entropy (end)", "train reward (end)"]
-    rl = RL in splits  # the RL prompts' columns after the held-out ones
-    if rl:
-        header[6:6] = ["RL-prompt pass@1", f"RL-prompt pass@{n}", "RL-prompt distinct"]
-    mid = min(16, max(n // 2, 1))
-    rows = []
-    base = {k: (v, math.nan) for k, v in results["base"].items() if not k.endswith("/curve")}
-    for name, agg, seeds in [("base (SFT)", base, 1)] + [(a, g, len(results["per_seed"][a]))
-                                                        for a, g in results["aggregate"].items()]:
-        rows.append([name, str(seeds) if name != "base (SFT)" else "–", _cell(agg, f"{id_split}/pass@1"),
-                     _cell(agg, f"{id_split}/pass@{mid}"), _cell(agg, f"{id_split}/pass@{n}"),
-                     _cell(agg, f"{ood}/pass@1"), _cell(agg, f"{ood}/pass@{n}"),
-                     _cell(agg, f"{id_split}/distinct", 2), _cell(agg, f"{id_split}/coverage"),
-                     _cell(agg, "train/entropy_end"), _cell(agg, "train/reward_end")])
-        if rl:
-            rows[-1][6:6] = [_cell(agg, f"{RL}/pass@1"), _cell(agg, f"{RL}/pass@{n}"), _cell(agg, f"{RL}/distinct", 2)]
-    return _table(header, rows)
-
-
-def _pass_table(results: Mapping[str, Any], split: str, n: int) -> str:
-    ks = _ks(n)
-    rows = [["base (SFT)"] + [fmt(results["base"][f"{split}/pass@{k}"]) for k in ks]]
-    rows += [[arm] + [_cell(agg, f"{split}/pass@{k}") for k in ks] for arm, agg in results["aggregate"].items()]
-    return _table(["arm"] + [f"pass@{k}" for k in ks], rows)
-
-
-def _coverage_table(results: Mapping[str, Any], splits: Sequence[str]) -> str:
-    header = ["arm"] + [f"{SPLIT_NAMES.get(s, s)}: {m}" for s in splits for m in ("distinct", "coverage")]
-    base = results["base"]
-    rows = [["base (SFT)"] + [fmt(base[f"{s}/{m}"], digits=2 if m == "distinct" else 3) for s in splits
-                              for m in ("distinct", "coverage")]]
-    rows += [[arm] + [_cell(agg, f"{s}/{m}", 2 if m == "distinct" else 3) for s in splits
-                      for m in ("distinct", "coverage")] for arm, agg in results["aggregate"].items()]
-    return _table(header, rows)
-
-
-def _share_rows(results: Mapping[str, Any], split: str) -> dict[str, dict[str, tuple[float, float]]]:
-    rows = {}
-    demo = results["meta"].get("demo_shares")
-    if demo:
-        rows["SFT demos"] = {s: (demo.get(s, 0.0), math.nan) for s in countdown.STRATEGIES}
-    rows["base (SFT)"] = {s: (results["base"][f"{split}/share/{s}"], math.nan) for s in countdown.STRATEGIES}
-    for arm, agg in results["aggregate"].items():
-        rows[arm] = {s: agg[f"{split}/share/{s}"] for s in countdown.STRATEGIES}
-    return rows
-
-
-def _share_table(rows: Mapping[str, Mapping[str, tuple[float, float]]]) -> str:
-    return _table(["run"] + list(countdown.STRATEGIES),
-                  [[name] + [fmt(*row[s]) for s in countdown.STRATEGIES] for name, row in rows.items()])
-
-
-def _pair_keys(splits: Sequence[str], n: int) -> list[tuple[str, str]]:
-    return [(f"{splits[0]}/pass@1", "ID pass@1"), (f"{splits[0]}/pass@{n}", f"ID pass@{n}"),
-            (f"{splits[-1]}/pass@1", "OOD pass@1"), (f"{splits[-1]}/pass@{n}", f"OOD pass@{n}"),
-            (f"{splits[0]}/distinct", "ID distinct")] + (
-        [(f"{RL}/pass@1", "RL-prompt pass@1"), (f"{RL}/pass@{n}", f"RL-prompt pass@{n}"),
-         (f"{RL}/distinct", "RL-prompt distinct")] if RL in splits else [])
-
-
-def paired_comparisons(results: Mapping[str, Any], splits: Sequence[str], n: int) -> list[dict[str, Any]]:
-    """Every (pair, metric) paired-by-seed test, with Holm-adjusted p-values over all of them."""
-    per_seed, rows = results["per_seed"], []
-    for a, b in PAIRS:
-        if a in per_seed and b in per_seed:
-            for key, label in _pair_keys(splits, n):
-                rows.append({"pair": (a, b), "metric": label,
-                             **paired_test(paired_diffs(per_seed[a], per_seed[b], key))})
-    for row, p_holm in zip(rows, holm([r["p"] for r in rows])):
-        row["p_holm"] = p_holm
-    return rows
-
-
-def _diff_cell(r: Mapping[str, Any]) -> str:
+def diff_cell(r: Mapping[str, Any]) -> str:
     if math.isnan(r["mean"]):
         return "–"
     text = f"{r['mean']:+.3f}" + ("" if math.isnan(r["half"]) else f" ± {r['half']:.3f}")
-    if not math.isnan(r["p_holm"]):
+    if not math.isnan(r.get("p_holm", math.nan)):
         text += f" (p {r['p_holm']:.2f})" + (" *" if r["p_holm"] < 0.05 else "")
     return text + ("" if r["n"] > 1 else " (1 seed)")
 
 
-def _pairs_tables(results: Mapping[str, Any], splits: Sequence[str], n: int) -> tuple[str, str, int]:
-    """(differences table, minimum-detectable-effect table, number of comparisons)."""
-    rows = paired_comparisons(results, splits, n)
-    if not rows:
-        return "", "", 0
-    labels = [label for _, label in _pair_keys(splits, n)]
-    acted = guide_activity(results)
+def _splits(mod, results) -> list[tuple[str, str]]:
+    """(split, column prefix) of the splits the runs evaluated."""
+    first = next(iter(next(iter(results["per_seed"].values())).values()))
+    return [(s, (spec[2] + " ") if len(spec) > 2 and spec[2] else "")
+            for s, spec in option(mod, "SPLITS", SPLITS).items() if f"{s}/curve" in first]
+
+
+def arms_table(mod, results: Mapping[str, Any]) -> str:
+    n = results["n"]
+    ks = sorted({1, min(16, n), n})
+    head, keys = ["arm", "seeds"], []
+    for split, label in _splits(mod, results):
+        head += [f"{label}pass@{k}" for k in ks]
+        keys += [(f"{split}/pass@{k}", 3) for k in ks]
+        for key, name in (("distinct", "distinct sols / problem"), ("distinct_forms", "distinct correct forms"),
+                          ("distinct_answers", "distinct answers"), ("coverage", "coverage")):
+            if any(f"{split}/{key}" in g for g in results["aggregate"].values()):
+                head.append(f"{label}{name}")
+                keys.append((f"{split}/{key}", 2 if key != "coverage" else 3))
+    head += ["train reward (end)", "entropy (end)", "q_mean", "q ≠ 1 share", "CPU min / run"]
+    keys += [("train/reward_end", 3), ("train/entropy_end", 3), ("train/q_mean", 3), ("train/q_active", 3),
+             ("cpu_min", 1)]
+    return table(head, [[arm, str(len(results["per_seed"][arm]))] + [_cell(agg, k, d) for k, d in keys]
+                        for arm, agg in results["aggregate"].items()])
+
+
+def pairs_tables(mod, results: Mapping[str, Any]) -> tuple[str, str]:
+    """(differences with Holm-adjusted p, minimum detectable effects); empty strings when no pair ran."""
     by_pair: dict[tuple[str, str], dict[str, Any]] = {}
-    for r in rows:
-        by_pair.setdefault(r["pair"], {})[r["metric"]] = r
-    name = lambda a, b: f"{a} − {b}" + (" (guide did not act)" if acted.get(a, {}).get("acted") is False else "")
-    diffs = _table(["pair (same seeds)", "seeds"] + labels,
-                   [[name(a, b), str(max(c["n"] for c in cells.values()))] + [_diff_cell(cells[l]) for l in labels]
-                    for (a, b), cells in by_pair.items()])
-    mdes = _table(["pair", "seeds"] + labels,
-                  [[f"{a} − {b}", str(max(c["n"] for c in cells.values()))]
-                   + [fmt(cells[l]["mde"]) for l in labels] for (a, b), cells in by_pair.items()])
-    return diffs, mdes, sum(1 for r in rows if not math.isnan(r["p"]))
+    for r in results["comparisons"]:
+        by_pair.setdefault(tuple(r["pair"]), {})[r["metric"]] = r
+    if not by_pair:
+        return "", ""
+    labels = [label for _, label in pair_metrics(mod, results["n"])]
+    seeds = lambda cells: str(max(c["n"] for c in cells.values()))
+    diffs = table(["pair (same seeds)", "seeds"] + labels,
+                  [[f"{a} − {b}", seeds(c)] + [diff_cell(c[l]) for l in labels] for (a, b), c in by_pair.items()])
+    mdes = table(["pair", "seeds"] + labels, [[f"{a} − {b}", seeds(c)] + [fmt(c[l]["mde"]) for l in labels]
+                                              for (a, b), c in by_pair.items()])
+    return diffs, mdes
 
 
-def guide_activity(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per guided arm: q statistics over training (mean over seeds) and, for Branch, whether it acted at all (None
-    for the noise guides, whose q_mean is 1 by design)."""
-    configs = results["meta"].get("arm_configs", {})
-    out = {}
-    for arm, runs in results["per_seed"].items():
-        guide = configs.get(arm, {}).get("guide", "none")
-        if guide == "none":
+def activity_table(runs: Mapping[str, Mapping[int, Mapping[str, Any]]], results, guides: Mapping[str, str]) -> str:
+    rows = []
+    for arm, by_seed in runs.items():
+        if guides.get(arm, "none") == "none":
             continue
-        q = [r.get("train/q_mean", math.nan) for r in runs.values()]
-        idle = [s for s, r in runs.items() if abs(r.get("train/q_mean", 1.0) - 1.0) < ACTED_TOL]
-        agg = results["aggregate"][arm]
-        out[arm] = {"q_mean": agg.get("train/q_mean", (math.nan, math.nan)),
-                    "q_p90": agg.get("train/q_p90", (math.nan, math.nan)),
-                    "q_active": agg.get("train/q_active", (math.nan, math.nan)),
-                    "q_mean_max": max(q) if q else math.nan, "idle_seeds": idle,
-                    "acted": (bool(q) and abs(float(np.nanmean(q)) - 1.0) >= ACTED_TOL) if guide == "branch" else None}
-    return out
+        per = results["per_seed"][arm]
+        q = [r["train/q_mean"] for r in per.values() if "train/q_mean" in r]
+        taus = sorted({r.get("tau") for r in by_seed.values() if r.get("tau") is not None})
+        acted = bool(q) and abs(statistics.fmean(q) - 1.0) >= ACTED_TOL
+        status = (("acted" if acted else "**did not act**") if guides[arm] == "branch" else
+                  "– (zero-mean noise: the 1% rule is for Branch)")
+        rows.append([arm, ", ".join(f"{t:.4g}" for t in taus) or "–", fmt(*mean_ci(q)),
+                     _cell(results["aggregate"][arm], "train/q_active"), ", ".join(f"{v:.3f}" for v in q), status])
+    return table(["arm", "tau (nats)", "q_mean (training)", "share of tokens with q ≠ 1", "q_mean per run", "status"],
+                 rows) if rows else ""
 
 
-def _activity_table(results: Mapping[str, Any]) -> str:
-    rows = []
-    for arm, a in guide_activity(results).items():
-        per_run = ", ".join(f"{results['per_seed'][arm][s].get('train/q_mean', math.nan):.3f}"
-                            for s in sorted(results["per_seed"][arm]))
-        status = {True: "acted", False: "**did not act**", None: "– (zero-mean noise: the 1% rule is for Branch)"}
-        rows.append([arm, fmt(*a["q_mean"]), fmt(*a["q_p90"]), fmt(*a["q_active"]), per_run, status[a["acted"]]])
-    for arm, c in results["meta"].get("arm_configs", {}).items():
-        if c.get("kl_cov") and arm in results["per_seed"]:
-            kl = [r.get("train/kl_cov_max", 0.0) for r in results["per_seed"][arm].values()]
-            inert = c.get("updates_per_batch", 1) == 1 or max(kl) == 0.0
-            rows.append([arm, "–", "–", "–", "max loss/kl_cov " + ", ".join(f"{v:.2g}" for v in kl),
-                         "**did not act** (one update per batch: its penalty has no gradient)" if inert else "acted"])
-    return _table(["arm", "q_mean (training)", "q_p90", "share of tokens with q ≠ 1", "q_mean per run", "status"],
-                  rows) if rows else ""
+def sweep_table(results: Mapping[str, Any], split: str) -> str:
+    n = results["n"]
+    rows = [[name, str(c["seeds"]), _cell(c, f"{split}/pass@1"), _cell(c, f"{split}/pass@{n}"),
+             _cell(c, f"{split}/distinct", 2), _cell(c, "train/entropy_end"), _cell(c, "train/q_mean"),
+             _cell(c, "train/q_active")] for name, c in sorted(results["sweep"].items())]
+    return table(["cell", "seeds", "pass@1", f"pass@{n}", "distinct", "entropy (end)", "q_mean", "q ≠ 1 share"], rows)
 
 
-def _sweep_table(results: Mapping[str, Any], split: str, n: int) -> tuple[str, dict[str, np.ndarray], list, list]:
-    cells = results["sweep"]
-    gammas = sorted({c["gamma"] for c in cells.values()})
-    taus = sorted({c["tau"] for c in cells.values()})
-    grids = {f"pass@1 ({split})": np.full((len(gammas), len(taus)), np.nan),
-             f"pass@{n} ({split})": np.full((len(gammas), len(taus)), np.nan)}
-    rows = []
-    for cell in cells.values():
-        i, j = gammas.index(cell["gamma"]), taus.index(cell["tau"])
-        p1, pn = cell[f"{split}/pass@1"], cell[f"{split}/pass@{n}"]
-        grids[f"pass@1 ({split})"][i, j], grids[f"pass@{n} ({split})"][i, j] = p1[0], pn[0]
-        nan2 = (math.nan, math.nan)
-        q_mean = cell.get("train/q_mean", nan2)
-        rows.append([str(cell["gamma"]), str(cell["tau"]), str(cell["seeds"]), fmt(*p1), fmt(*pn),
-                     fmt(*cell.get("train/entropy_end", nan2)),
-                     fmt(*cell.get(f"{split}/distinct", nan2), digits=2), fmt(*q_mean),
-                     fmt(*cell.get("train/q_p90", nan2)), fmt(*cell.get("train/q_active", nan2)),
-                     "did not act" if abs(q_mean[0] - 1.0) < ACTED_TOL else ""])
-    table = _table(["gamma", "tau", "seeds", "pass@1", f"pass@{n}", "entropy (end)", "distinct sols / problem",
-                    "q_mean", "q_p90", "q ≠ 1 share", ""], rows)
-    return table, grids, gammas, taus
-
-
-def _times_table(meta: Mapping[str, Any]) -> str:
-    rows = [[arm] + [f"{t[k]:.{d}f}" for k, d in (("train_wall_s", 0), ("train_cpu_s", 0), ("step_s", 2),
-                                                   ("eval_wall_s", 0))]
-            for arm, t in meta.get("arm_times", {}).items()]
-    return _table(["arm", "RL wall s (mean/seed)", "RL CPU s", "median s / RL step", "eval wall s"], rows)
-
-
-READING = "reading.md"  # hand-written, after the results: what they say against the paper (kept across renders)
-REGIME = "regime.md"    # sage_jax.experiments.regime's report, when the study's regime search wrote one here
+def runs_table(mod, runs: Mapping[str, Mapping[int, Mapping[str, Any]]], results) -> str:
+    rows, n = [], results["n"]
+    split = _splits(mod, results)[0][0]
+    for arm, by_seed in runs.items():
+        for seed, r in sorted(by_seed.items()):
+            s, t = results["per_seed"][arm][seed], r.get("times") or {}
+            rows.append([arm, str(seed), fmt(s[f"{split}/pass@1"]), fmt(s[f"{split}/pass@{n}"]),
+                         fmt(s.get("train/q_mean", math.nan))] + [f"{t.get(k, 0) / 60:.1f}" for k in
+                                                                   ("train_wall_s", "train_cpu_s", "eval_wall_s")]
+                        + [str((r.get("host") or {}).get("finished_utc", "")), str(r.get("fingerprint", ""))[:8]])
+    return table(["arm", "seed", "pass@1", f"pass@{n}", "q_mean", "RL wall min", "RL CPU min", "eval wall min",
+                  "finished (UTC)", "fingerprint"], rows)
 
 
 def _included(out_dir: str, name: str, title: str) -> list[str]:
@@ -253,94 +202,192 @@ def _included(out_dir: str, name: str, title: str) -> list[str]:
         return []
     with open(path, encoding="utf-8") as f:
         lines = f.read().strip().splitlines()
-    if lines and lines[0].startswith("# "):
-        lines = lines[1:]
     out, code = [], False
-    for line in lines:
+    for line in lines[1:] if lines and lines[0].startswith("# ") else lines:
         code ^= line.startswith("```")
         out.append("#" + line if line.startswith("#") and not code else line)
     return [f"## {title}\n", f"(from [{name}]({name}))\n", "\n".join(out).strip() + "\n"]
 
 
-def write(out_dir: str, results: Mapping[str, Any]) -> str:
-    """RESULTS.md, results.json and the PNGs in out_dir; returns the markdown."""
-    os.makedirs(out_dir, exist_ok=True)
-    meta = results["meta"]
-    splits, n = list(meta["splits"]), int(meta["n"])
-    agg = {a: g for a, g in results["aggregate"].items()}
-    base_curves = {f"{s}/curve": (results["base"][f"{s}/curve"], None) for s in splits}
-    figures = []
-    for s in splits:
-        name = f"pass_at_k_{s}.png"
-        plots.pass_at_k(agg, base_curves, s, os.path.join(out_dir, name),
-                        f"pass@k, {SPLIT_NAMES.get(s, s)} ({meta['problems'][s]} problems, n={n})",
-                        results["per_seed"])
-        figures.append(name)
-    plots.training(results["curves"], os.path.join(out_dir, "training_curves.png"))
-    share_rows = _share_rows(results, splits[0])
-    plots.strategy_shares(share_rows, countdown.STRATEGIES, os.path.join(out_dir, "strategy_shares.png"),
-                          f"strategy of correct samples, {SPLIT_NAMES.get(splits[0], splits[0])}")
-    md = [f"# SAGE on countdown: {len(agg)} arms × {meta.get('seeds_text', meta['seeds'])} seed(s), budget "
-          f"`{meta['budget']}`\n", meta["description"] + "\n", *_included(out_dir, READING, "Reading"),
-          *_included(out_dir, REGIME, "Regime, chosen on GRPO alone before any arm ran"), "## Commands\n", "```\n" + "\n".join(meta["commands"]) + "\n```\n",
-          "## Headline\n", CI_NOTE + "\n", _headline(results, splits, n),
-          "ID = held-out problems from the training generator; OOD = problems whose numbers reach beyond the training "
-          "range (see Setup). *distinct sols / problem*: "
-          "distinct correct solutions (countdown.canonical forms) among the n samples; *coverage*: that over all "
-          "solutions the problem has (countdown.solve), averaged over problems. *entropy / train reward (end)*: mean "
-          "of rl/entropy and rl/reward over the last 10% of RL steps.\n"]
-    pairs, mdes, m = _pairs_tables(results, splits, n)
-    if pairs:
-        md += ["## Paired differences\n", f"Arm minus its baseline over the same seeds: mean ± 95% t half-width of "
-               f"the per-seed differences, and in brackets the two-sided paired t-test p-value Holm-adjusted over all "
-               f"{m} comparisons in this table (pairs × metrics with at least 2 seeds); * marks Holm p < 0.05. A "
-               "pair marked *guide did not act* compares GRPO with GRPO (see Guide activity).\n", pairs,
-               "Minimum detectable effect of each comparison: (t_{0.975, s-1} + t_{0.8, s-1}) · sd / √s with the "
-               "observed sd of its paired differences over s seeds (80% power, two-sided alpha 0.05 before the Holm "
-               "correction): a true difference smaller than this would usually be missed.\n", mdes]
-    activity = _activity_table(results)
-    if activity:
-        tau = results["meta"].get("tau") or {}
-        tau_line = (f"Branch's tau = {tau['tau']} nats, the {tau['quantile']} quantile of the SFT base's token "
-                    "entropies on its own held-out samples (so about "
-                    f"{100 * (1 - tau['quantile']):.0f}% of the base's completion tokens lie above it)"
-                    if tau.get("tau") is not None else "Branch's tau is the config's loss.tau")
-        md += ["## Guide activity\n", f"{tau_line}. Per run, the mean over all RL steps of sage/q_mean, "
-               f"sage/q_p90 (90th percentile of q over each step's tokens) and sage/q_active (share of tokens with "
-               f"q ≠ 1); the cells are mean ± 95% half-width over seeds. An arm whose q_mean stays within "
-               f"{ACTED_TOL:.0%} of 1 **did not act**: its results are GRPO's, not a finding about the guide.\n",
-               activity]
-    for s, fig in zip(splits, figures):
-        md += [f"## pass@k, {SPLIT_NAMES.get(s, s)}\n", f"![pass@k {s}]({fig})\n", _pass_table(results, s, n)]
-    md += ["## Mode coverage\n", _coverage_table(results, splits),
-           "## Strategy shares among correct samples\n",
-           "Top-level operation of each correct held-out sample (countdown.strategy, the classes of "
-           "countdown.strategy_shares): the analogue of the paper's reasoning-pattern table. *SFT demos* is what the "
-           "base was trained on.\n", "![strategy shares](strategy_shares.png)\n", _share_table(share_rows),
-           "OOD split:\n", _share_table({k: v for k, v in _share_rows(results, splits[-1]).items()
-                                         if k != "SFT demos"}),
-           "## Training dynamics\n", "![training curves](training_curves.png)\n"]
+# --------------------------------------------------------------------------------------------------- the page
+
+def figures(mod, out: str, results: Mapping[str, Any], runs) -> list[str]:
+    per_seed, agg, n, made = results["per_seed"], results["aggregate"], results["n"], []
+    trained = {a: g for a, g in agg.items() if a != "base"}
+    if not trained:
+        return made
+    for split, _ in _splits(mod, results):
+        name = "pass_at_k.png" if split == "heldout" else f"pass_at_k_{split}.png"
+        key = f"{split}/curve"
+        base = {key: agg["base"][key]} if "base" in agg else {key: ([math.nan] * n, None)}
+        plots.pass_at_k(trained, base, split, os.path.join(out, name), f"pass@k, {split}, n={n} (bands: 95% over "
+                        "seeds)", per_seed, base_label="base")
+        made.append(name)
+    plots.training({a: [r.get("curves") or {} for _, r in sorted(runs[a].items())] for a in trained},
+                   os.path.join(out, "training_curves.png"))
+    made.append("training_curves.png")
+    if "base" in per_seed and len(per_seed["base"]) > 1:
+        split = _splits(mod, results)[0][0]
+        plots.vs_base(per_seed, f"{split}/curve", os.path.join(out, "pass_at_k_vs_base.png"))
+        made.append("pass_at_k_vs_base.png")
+    return made
+
+
+def _primary_line(mod, results: Mapping[str, Any]) -> str:
+    a, b, k = option(mod, "PRIMARY", ("", "", 1))
+    label = next((lab for key, lab in pair_metrics(mod, results["n"]) if key.endswith(f"/pass@{min(k, results['n'])}")),
+                 "")
+    row = next((r for r in results["comparisons"] if tuple(r["pair"]) == (a, b) and r["metric"] == label), None)
+    if row is None or row["n"] < 2:
+        return f"The primary comparison ({a} − {b}, {label}) has fewer than 2 paired seeds so far.\n"
+    return (f"Primary comparison, {a} − {b} on {label} over {row['n']} paired seeds: {diff_cell(row)}; the smallest "
+            f"effect this design detects (80% power, alpha 0.05): {row['mde']:.3f}.\n")
+
+
+def render(mod, out: str, runs, results, made: Sequence[str], guides: Mapping[str, str]) -> str:
+    diffs, mdes = pairs_tables(mod, results)
+    comparisons = sum(1 for r in results["comparisons"] if not math.isnan(r["p"]))
+    commands = list(dict.fromkeys(r.get("command") for by in runs.values() for r in by.values() if r.get("command")))
+    md = [f"# {option(mod, 'TITLE', 'Study')}: {len(runs)} arms\n", option(mod, "DESCRIPTION", "") + "\n",
+          *(["**Warnings:** " + "; ".join(results["warnings"]) + "\n"] if results["warnings"] else []),
+          *_included(out, REGIME, "Regime, chosen on GRPO alone before any guided arm ran"),
+          *_included(out, READING, "Reading"),
+          "## Arms\n", "Cells: mean ± 95% t half-width over seeds (a cell without ± is one seed). *(end)*: the mean "
+          "over the last part of RL steps; *q_mean*, *q ≠ 1 share*: the guide's sage/q_mean and sage/q_active "
+          "averaged over RL steps.\n", arms_table(mod, results), _primary_line(mod, results)]
+    if diffs:
+        md += ["## Paired differences\n", f"Arm minus reference over the seeds both ran: mean ± 95% t half-width, and "
+               f"the paired t-test p-value Holm-adjusted over all {comparisons} comparisons in this table (* Holm p < "
+               "0.05).\n", diffs, "Minimum detectable effect of each comparison: (t_{0.975, s-1} + t_{0.8, s-1}) · "
+               "sd / √s with the observed sd of the paired differences over s seeds (80% power, two-sided alpha 0.05 "
+               "before Holm).\n", mdes]
+    if activity := activity_table(runs, results, guides):
+        md += ["## Guide activity\n", f"Per run, sage/q_mean and the share of tokens with q ≠ 1 averaged over RL "
+               f"steps. A Branch arm whose q_mean stays within {ACTED_TOL:.0%} of 1 **did not act**.\n", activity]
+    md += ["## pass@k\n"] + [f"![{m}]({m})\n" for m in made]
+    for split, label in _splits(mod, results):
+        ks = evaluation.default_ks(results["n"])
+        md += [f"{label or split}:\n", table(["arm"] + [f"pass@{k}" for k in ks], [
+            [arm] + [_cell(agg, f"{split}/pass@{k}") for k in ks] for arm, agg in results["aggregate"].items()])]
     if results["sweep"]:
-        table, grids, gammas, taus = _sweep_table(results, splits[0], n)
-        plots.heatmaps(grids, gammas, taus, os.path.join(out_dir, "sweep_heatmap.png"))
-        md += ["## Branch sweep (GRPO + Branch, gamma × tau)\n", meta.get("sweep_note", "") + "\n",
-               "![sweep](sweep_heatmap.png)\n", table]
-    md += ["## Setup and hyperparameters\n", meta["setup"] + "\n", "```\n" + meta["hyperparameters"] + "\n```\n",
-           "## Run times\n", meta["timing"] + "\n", _times_table(meta), "## Caveats\n", meta["caveats"] + "\n"]
-    text = "\n".join(md)
-    evaluation.write_json(os.path.join(out_dir, "results.json"), _jsonable(results))
-    with open(os.path.join(out_dir, "RESULTS.md"), "w", encoding="utf-8") as f:
+        md += ["## Branch sweep (gamma × tau)\n", sweep_table(results, _splits(mod, results)[0][0])]
+    md += ["## Runs\n", runs_table(mod, runs, results), "## Commands\n", "```\n" + "\n".join(commands) + "\n```\n"]
+    return "\n".join(md)
+
+
+def write(mod, out: str, runs, sweep=None, guides: Mapping[str, str] | None = None) -> str:
+    """RESULTS.md, results.json and the PNGs in out from the runs' records ({arm: {seed: record}}); the markdown."""
+    results = build(mod, runs, sweep or {})
+    os.makedirs(out, exist_ok=True)
+    guide = lambda by: (next(iter(by.values())).get("guide") or {}).get("name", "none")
+    guides = guides or {arm: guide(by) for arm, by in runs.items()}
+    text = render(mod, out, runs, results, figures(mod, out, results, runs), guides)
+    with open(os.path.join(out, "RESULTS.md"), "w", encoding="utf-8") as f:
         f.write(text)
+    write_result(os.path.join(out, "results.json"), {"schema": "study/results", **results})
     return text
 
 
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, float) and math.isnan(x):
-        return None
-    if isinstance(x, (np.floating, np.integer)):
-        return _jsonable(x.item())
-    return x
+# --------------------------------------------------------------------------------------------------- the regime
+
+RULE = {"split": "heldout", "min_gain": 0.0, "fall": ("pass@n",), "fall_interval": True}
+
+
+def rollouts(config) -> int:
+    return int(config.train.steps * config.rollout.prompts_per_step * config.rollout.group_size)
+
+
+def regime_verdict(mod, base: Mapping[int, Mapping[str, Any]], grpo: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """The candidate's paired differences against the base (result records by seed) and whether it is kept."""
+    rule = {**RULE, **option(mod, "REGIME_RULE", {})}
+    seeds = sorted(s for s in grpo if s in base or len(base) == 1)
+    if not seeds:
+        return {"seeds": 0, "kept": False, "shortfall": math.inf, "reason": "not run: no seed has both arms"}
+    n, split = int(grpo[seeds[0]]["n"]), rule["split"]
+    key = lambda m: f"{split}/{m.replace('pass@n', f'pass@{n}')}"
+    b = {s: summarize(mod, base.get(s, next(iter(base.values())))) for s in seeds}
+    g = {s: summarize(mod, grpo[s]) for s in seeds}
+    diff = {m: paired_test([g[s][key(m)] - b[s][key(m)] for s in seeds]) for m in ("pass@1", *rule["fall"])}
+    mean = lambda rows, m: sum(rows[s][key(m)] for s in seeds) / len(seeds)
+    out = {"seeds": len(seeds), "n": n, "split": split, **{f"base_{m}": mean(b, m) for m in diff},
+           **{f"grpo_{m}": mean(g, m) for m in diff}, **{f"d_{m}": d for m, d in diff.items()}}
+    if len(seeds) < 2:
+        return {**out, "kept": False, "shortfall": math.inf, "reason": "dropped: one seed gives no interval"}
+    d1 = diff["pass@1"]
+    rise_lo = d1["mean"] - d1["half"]
+    falls = {m: diff[m]["mean"] + (diff[m]["half"] if rule["fall_interval"] else 0.0) for m in rule["fall"]}
+    shortfall = max(0.0, -rise_lo) + max(0.0, min(falls.values()))
+    if d1["mean"] < rule["min_gain"] or rise_lo <= 0:
+        reason = (f"dropped: pass@1's gain ({fmt(d1['mean'], d1['half'])}) is not above {rule['min_gain']} with an "
+                  "interval above 0")
+    elif min(falls.values()) >= 0:
+        reason = f"dropped: none of {', '.join(rule['fall'])} fell below the base's (no collapse)"
+    else:
+        reason = "kept: pass@1 up, " + ", ".join(m for m, v in falls.items() if v < 0) + " down"
+    return {**out, "kept": reason.startswith("kept"), "shortfall": shortfall, "reason": reason}
+
+
+def regime_summary(mod, names: Sequence[str], found: Mapping[str, Mapping[str, Mapping[int, Any]]],
+              costs: Mapping[str, int]) -> dict[str, dict[str, Any]]:
+    """{candidate: settings, why, rollouts, CPU hours and verdict}; found[name] = {"base": {...}, "grpo": {...}}."""
+    out = {}
+    for name in names:
+        runs = found.get(name, {})
+        settings, why = mod.REGIME_CANDIDATES[name]
+        cpu = sum(r.get("times", {}).get(k, 0.0) for arm in runs.values() for r in arm.values()
+                  for k in ("train_cpu_s", "eval_cpu_s"))
+        out[name] = {"settings": dict(settings), "why": why, "rollouts": costs[name], "cpu_h": cpu / 3600,
+                     **regime_verdict(mod, runs.get("base", {}), runs.get("grpo", {}))}
+    return out
+
+
+def regime_select(results: Mapping[str, Mapping[str, Any]]) -> tuple[str | None, bool]:
+    """(selected candidate, whether it meets the rule)."""
+    kept = [(r["rollouts"], -r["d_pass@1"]["mean"], i, name) for i, (name, r) in enumerate(results.items())
+            if r.get("kept")]
+    if kept:
+        return min(kept)[3], True
+    tried = [(r.get("shortfall", math.inf), r.get("rollouts", 0), i, name)
+             for i, (name, r) in enumerate(results.items()) if r.get("seeds", 0) >= 2]
+    return (min(tried)[3], False) if tried else (None, False)
+
+
+def _regime_diff(d: Mapping[str, float] | None) -> str:
+    if not d or d.get("n", 0) == 0:
+        return "–"
+    text = f"{d['mean']:+.3f}" + ("" if math.isnan(d["half"]) else f" ± {d['half']:.3f}")
+    return text + ("" if math.isnan(d.get("p", math.nan)) else f" (p {d['p']:.2f})")
+
+
+def regime_render(mod, results: Mapping[str, Mapping[str, Any]], command: str) -> str:
+    rule = {**RULE, **option(mod, "REGIME_RULE", {})}
+    metrics = ("pass@1", *rule["fall"])
+    head = ["candidate", "settings", "why tried", "rollouts", "seeds"] + [
+        f"{who} {m}" for m in metrics for who in ("base", "GRPO", "GRPO − base")] + ["CPU h", "verdict"]
+    rows = []
+    for name, r in results.items():
+        cell = lambda key, r=r: fmt(r[key]) if key in r else "–"
+        cells = [c for m in metrics for c in (cell(f"base_{m}"), cell(f"grpo_{m}"), _regime_diff(r.get(f"d_{m}")))]
+        rows.append([name, ", ".join(f"{k}={v}" for k, v in r["settings"].items()) or "(the settings' own)",
+                     r["why"], str(r["rollouts"]), str(r.get("seeds", 0)), *cells, f"{r.get('cpu_h', math.nan):.2f}",
+                     r["reason"]])
+    choice, meets = regime_select(results)
+    decision = ("No candidate has finished two seeds yet: nothing is selected." if choice is None else
+                f"Selected: **{choice}**, " + ("the cheapest candidate that meets the rule." if meets else
+                                               "the closest to the rule (none meets it).")
+                + f" Freeze it before any guided arm runs, in one commit:\n\n```python\nREGIME = "
+                f"{dict(results[choice]['settings'])!r}  # {os.path.basename(mod.PATH)}\n```")
+    return "\n".join(["# Regime, chosen on GRPO alone before any guided arm ran\n",
+                      f"Rule (regime.py): {rule}. A difference is mean ± the 95% t half-width of the per-seed "
+                      "differences with its paired t-test p-value (uncorrected). Rollouts = RL steps × prompts × "
+                      "samples.\n", table(head, rows), decision + "\n", "Made by:\n", f"```\n{command}\n```\n"])
+
+
+def regime_write(mod, out: str, results: Mapping[str, Mapping[str, Any]], command: str) -> None:
+    choice, meets = regime_select(results)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "regime.md"), "w", encoding="utf-8") as f:
+        f.write(regime_render(mod, results, command))
+    write_result(os.path.join(out, "regime.json"), {"rule": {**RULE, **option(mod, "REGIME_RULE", {})},
+                                                    "selected": choice, "meets_rule": meets, "candidates": results})
+    print(f"wrote {os.path.join(out, 'regime.md')}; selected: {choice} (meets the rule: {meets})", flush=True)

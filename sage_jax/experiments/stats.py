@@ -1,16 +1,14 @@
-"""Statistics over runs: mean and 95% t-interval over seeds, a run's scalar summary from its raw counts, paired
+"""Statistics over runs: mean and 95% t-interval over seeds, the pass@k curve from raw counts, paired
 t-tests with Holm's correction and the minimum detectable effect."""
 
 from __future__ import annotations
 
 import math
-from collections import Counter
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from sage_jax.eval import passk as evaluation
-from sage_jax.rewards import countdown
 
 # two-sided 95% Student t quantiles t_{0.975, df}
 _T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -45,47 +43,6 @@ def pass_curve(problem_stats: Sequence[Mapping[str, Any]]) -> list[float]:
     n = int(problem_stats[0]["n"])
     correct_P = [int(s["correct"]) for s in problem_stats]
     return [float(evaluation.pass_at_k_array(n, correct_P, k).mean()) for k in range(1, n + 1)]
-
-
-def strategy_counts(problem_stats: Sequence[Mapping[str, Any]]) -> Counter:
-    return sum((Counter(s["strategies"]) for s in problem_stats), Counter())
-
-
-def shares(counts: Mapping[str, int]) -> dict[str, float]:
-    total = sum(counts.values())
-    return {s: (counts.get(s, 0) / total if total else math.nan) for s in countdown.STRATEGIES}
-
-
-def _tail_mean(values: Sequence[float | None], frac: float) -> float:
-    x = [v for v in values if v is not None]
-    if not x:
-        return math.nan
-    return float(np.mean(x[-max(1, int(round(len(x) * frac))):]))
-
-
-def summarize_run(record: Mapping[str, Any]) -> dict[str, Any]:
-    """Scalars (and pass@k curves) of one evaluated policy; record["eval"] maps split -> problem_stats list."""
-    out: dict[str, Any] = {}
-    for split, problem_stats in record["eval"].items():
-        curve = pass_curve(problem_stats)
-        out[f"{split}/curve"] = curve
-        for k in range(1, len(curve) + 1):
-            out[f"{split}/pass@{k}"] = curve[k - 1]
-        out[f"{split}/distinct"] = float(np.mean([s["distinct"] for s in problem_stats]))
-        out[f"{split}/coverage"] = float(np.mean([s["distinct"] / s["solutions"] for s in problem_stats]))
-        for s, v in shares(strategy_counts(problem_stats)).items():
-            out[f"{split}/share/{s}"] = v
-    curves = record.get("curves") or {}
-    for name in ("entropy", "reward", "kl_ref"):
-        if curves.get(name):
-            out[f"train/{name}_start"] = _tail_mean(curves[name][:max(1, len(curves[name]) // 10)], 1.0)
-            out[f"train/{name}_end"] = _tail_mean(curves[name], 0.1)
-    for name in ("q_mean", "q_p90", "q_active"):  # the guide's activity, averaged over all of training
-        if curves.get(name):
-            out[f"train/{name}"] = _tail_mean(curves[name], 1.0)
-    if curves.get("kl_cov"):
-        out["train/kl_cov_max"] = float(max(abs(v) for v in curves["kl_cov"] if v is not None))
-    return out
 
 
 def aggregate(summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
