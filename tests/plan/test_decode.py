@@ -4,7 +4,6 @@ cache inside the decode loop and its bytes per step against the ideal."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 
@@ -52,13 +51,8 @@ def _tpu_small(layers: int, topology: str = "1x1"):
     from sage_jax.models import build, sharding
     from sage_jax.plan import programs as pp
     from sage_jax.run import config as config_lib
-    saved = dict(os.environ)
-    roofline.prepare_environment()
-    try:
-        devices, chips = roofline.tpu_devices("v5e", topology)
-    finally:  # libtpu has read them; the TPU host variables must not reach the training subprocesses of later tests
-        os.environ.clear()
-        os.environ.update(saved)
+    from tests.plan.test_memory import tpu_devices_in_process
+    devices, chips = tpu_devices_in_process("v5e", topology)
     config = config_lib.load("configs/bench_small.py", [f"--config.model.num_layers={layers}"])
     mesh = sharding.make_mesh(tuple(config.mesh.shape), devices=devices)
     cfg, _ = build.resolve_model(config)

@@ -276,15 +276,20 @@ def test_tiny_config_compiles_with_xla_tpu_and_predicts_its_run(tpu_report):
     assert pred["model_flops"] <= pred["compiled_flops"] <= 2 * pred["model_flops"]
 
 
-def _tpu_mesh_in_process(topology="2x2x1"):
-    from sage_jax.models import sharding
+def tpu_devices_in_process(chip: str, topology: str):
+    """(abstract devices of a `chip` slice, its chips), in this process."""
     saved = dict(os.environ)
     roofline.prepare_environment()
     try:
-        devices, chips = roofline.tpu_devices("v5p", topology)
+        return roofline.tpu_devices(chip, topology)
     finally:  # libtpu has read them; the TPU host variables must not reach the training subprocesses of later tests
         os.environ.clear()
         os.environ.update(saved)
+
+
+def _tpu_mesh_in_process(topology="2x2x1"):
+    from sage_jax.models import sharding
+    devices, chips = tpu_devices_in_process("v5p", topology)
     return sharding.make_mesh((1, -1, 1), devices=devices), chips
 
 
