@@ -255,6 +255,8 @@ class Progress:
         for handler in pylogging.getLogger().handlers:
             if isinstance(handler, (pylogging.FileHandler, _BucketLog)) and record.levelno >= handler.level:
                 handler.handle(record)
+                if isinstance(handler, _BucketLog):  # each step's line is in the bucket when the step's metrics are
+                    handler.flush()
 
     def close(self) -> None:
         self._bar.close()
@@ -326,6 +328,9 @@ class _BucketLog(pylogging.Handler):
     def emit(self, record: pylogging.LogRecord) -> None:
         try:
             self._lines.append(self.format(record) + "\n")
+            if record.exc_info:
+                self._write(wait=30)  # a failure's traceback: before the process ends
+                return
             if record.levelno >= pylogging.WARNING or time.monotonic() - self._last >= self.FLUSH_S:
                 self._write(wait=0)
         except Exception:  # noqa: BLE001 - logging must not raise
@@ -352,6 +357,22 @@ class _BucketLog(pylogging.Handler):
     def close(self) -> None:
         self.flush()
         super().close()
+
+
+class _Fenced(pylogging.Filter):
+    """log.txt takes no more lines once this run lost its workdir's lease (run/lease.py): the workdir is another
+    run's then, and so is its log."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def filter(self, record: pylogging.LogRecord) -> bool:
+        try:
+            paths.fence(self.path, renew=False)
+        except Exception:  # noqa: BLE001 - LeaseLost
+            return False
+        return True
 
 
 _NOISY_LOGGERS = ("absl", "jax._src", "orbax", "tensorstore", "urllib3", "filelock", "fsspec", "gcsfs", "google")
@@ -385,6 +406,7 @@ def setup_python_logging(workdir: str | os.PathLike | None = None, level: int | 
         handlers.append(_BucketLog(log_txt) if paths.is_remote(log_txt) else
                         pylogging.FileHandler(log_txt, encoding="utf-8"))
         handlers[-1].setLevel(level)
+        handlers[-1].addFilter(_Fenced(log_txt))
     for h in handlers:
         h.setFormatter(formatter)
         h._sage_jax = True

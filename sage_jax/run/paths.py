@@ -69,6 +69,22 @@ def _gcs_defaults() -> None:
 _gcs_defaults()
 
 
+_fence: Callable[[str, bool], None] | None = None
+
+
+def set_fence(check: Callable[[str, bool], None] | None) -> None:
+    """check(path, renew) is called before every write or delete here (run/lease.py registers it: a run that lost
+    its workdir's lease writes nothing more); it raises to refuse the write."""
+    global _fence
+    _fence = check
+
+
+def fence(p: PathLike, renew: bool = True) -> None:
+    """Refuse (raise) if this process may not write `p` now (see set_fence); for writers outside this module."""
+    if _fence is not None:
+        _fence(os.fspath(p), renew)
+
+
 def path(p: PathLike) -> epath.Path:
     return p if isinstance(p, epath.Path) else epath.Path(os.fspath(p))
 
@@ -110,12 +126,14 @@ def listdir(p: PathLike) -> list[str]:
 
 def remove(p: PathLike) -> None:
     """Delete a file; no error if it is gone already."""
+    fence(p)
     with contextlib.suppress(FileNotFoundError):
         path(p).unlink()
 
 
 def rename(src: PathLike, dst: PathLike) -> None:
     """Move a file over `dst` (atomic on a local disk; a copy and a delete on a bucket)."""
+    fence(dst)
     if is_remote(src) or is_remote(dst):
         path(src).replace(path(dst))
     else:
@@ -132,6 +150,7 @@ def read_text(p: PathLike) -> str:
 
 def write_bytes(p: PathLike, data: bytes) -> None:
     """Replace the file whole (see the module doc), making its local folder if needed."""
+    fence(p)
     if is_remote(p):
         path(p).write_bytes(data)
         return
@@ -152,6 +171,7 @@ def create_text(p: PathLike, text: str) -> bool:
     upload with the ifGenerationMatch=0 precondition); elsewhere, and on an emulator that ignores the precondition,
     a check then a write (the run lock reads its file back: run/guard.py)."""
     data = text.encode("utf-8")
+    fence(p)
     if not is_remote(p):
         try:
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -196,6 +216,7 @@ def append_text(p: PathLike, text: str) -> None:
     """Add `text` at the end of the file, creating it (see the module doc for a bucket)."""
     if not text:
         return
+    fence(p)
     if not is_remote(p):
         os.makedirs(os.path.dirname(os.fspath(p)) or ".", exist_ok=True)
         with open(p, "a", encoding="utf-8") as f:
@@ -254,6 +275,8 @@ def staged_dir(dest: PathLike, writer: bool = True) -> Iterator[str]:
     """A local folder to write `dest`'s files into with libraries that take only local paths (safetensors,
     transformers' save_pretrained): `dest` itself when it is local; else a temporary folder that the writer uploads
     to `dest` when the block ends without an error."""
+    if writer:
+        fence(dest)
     if not is_remote(dest):
         yield os.fspath(dest)
         return

@@ -169,8 +169,8 @@ def test_gcs_workdir_run_is_killed_resumed_and_every_file_is_in_the_bucket(emula
 
 _LEASE = """
 import json, sys
-from sage_jax.run import guard, paths
-guard.SETTLE_S = 0.2
+from sage_jax.run import guard, lease, paths
+lease.SETTLE_S = 0.2
 workdir = sys.argv[1]
 try:
     with guard.locked(workdir):

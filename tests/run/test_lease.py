@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from sage_jax.run import guard as run_guard
+from sage_jax.run import guard as run_guard, lease
 
 
 def _lock(tmp_path, **fields):
@@ -77,7 +77,7 @@ def test_a_lock_of_another_host_without_a_lease_is_never_taken(tmp_path):
 
 
 def test_the_holder_renews_its_beat_and_a_lost_lease_is_not_removed(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(run_guard, "BEAT_S", 0.1)
+    monkeypatch.setattr(lease, "BEAT_S", 0.1)
     lock = tmp_path / "run.lock"
     with run_guard.locked(str(tmp_path)):
         first = json.loads(lock.read_text())
@@ -93,4 +93,4 @@ def test_the_holder_renews_its_beat_and_a_lost_lease_is_not_removed(tmp_path, mo
             time.sleep(0.5)
         assert json.loads(lock.read_text())["token"] == "theirs"
     assert json.loads(lock.read_text())["token"] == "theirs"
-    assert any("no longer this run's" in r.getMessage() for r in caplog.records)
+    assert any("lost its workdir" in r.getMessage() and "another-host" in r.getMessage() for r in caplog.records)
