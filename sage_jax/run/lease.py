@@ -265,7 +265,7 @@ class _Lease(threading.Thread):
         return None
 
     def check(self, renew: bool = True) -> None:
-        """LeaseLost if the lease is lost; with renew, a lease not renewed for FRESH_BEATS intervals is renewed first."""
+        """LeaseLost if the lease is lost; with renew, a lease not renewed for FRESH_BEATS intervals renews first."""
         if renew and self.lost is None and time.time() - self.beat > FRESH_BEATS * BEAT_S:
             self.renew()
         if self.lost:
