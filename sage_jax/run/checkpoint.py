@@ -23,10 +23,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from sage_jax.run import metrics_log as slog, paths
+from sage_jax.run import metrics_log as slog, paths, retry
 from sage_jax.run.save_errors import quiet_failures as _quiet_failures, write_failure as _write_failure
 
 log = pylogging.getLogger(__name__)
+retry.bound_tensorstore_retries()  # a bucket that does not answer: about SAGE_STORAGE_RETRY_S, as run/paths.py
 
 _ITEMS = ("state", "meta")
 
@@ -71,8 +72,7 @@ def _all_processes(ok: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.array([ok]))))
 
 
-# Files orbax 0.12 writes in every step; only used to explain a failure, never to decide one.
-_EXPECTED_FILES = ("state/_METADATA", "state/manifest.ocdbt", "meta/metadata")
+_EXPECTED_FILES = ("state/_METADATA", "state/manifest.ocdbt", "meta/metadata")  # orbax 0.12's: to explain only
 
 
 @contextlib.contextmanager

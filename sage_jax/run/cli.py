@@ -7,6 +7,7 @@ import contextlib
 import logging as pylogging
 import os
 import sys
+import threading
 import traceback
 from typing import Callable, Sequence
 
@@ -62,6 +63,8 @@ def main_guard(fn: Callable[[], int | None]) -> None:
     from sage_jax.run.metrics_log import NonFiniteLossError
     run_guard.raise_on_sigterm()
     as_main = getattr(fn, "__module__", None) == "__main__"  # a `python -m` run, not a caller in this process
+    if as_main:
+        threading.excepthook = _thread_failed
     try:
         sys.exit(fn() or 0)
     except run_guard.Stopped as e:
@@ -78,6 +81,10 @@ def main_guard(fn: Callable[[], int | None]) -> None:
         sys.exit(code)
     except (config_lib.ConfigError, NonFiniteLossError, CheckpointError, run_guard.LeaseLost, *USER_ERRORS) as e:
         _fail(e, f"error: {e}", 2, as_main)
+    except OSError as e:
+        from sage_jax.run import retry
+        unreachable = isinstance(e, retry.StorageUnreachable)  # its line says it all; log.txt may be in that bucket
+        _fail(e, f"error: {e if unreachable else failure_line(e)}", 1, as_main, hint=not unreachable)
     except Exception as e:  # noqa: BLE001 - the last resort: one line, the traceback in the log, never silence
         _fail(e, f"error: {failure_line(e)}", 1, as_main)
     finally:
@@ -109,18 +116,30 @@ def paths_unreachable(e: BaseException) -> bool:
     return any(w in str(e) for w in words) or type(e).__module__.startswith(("aiohttp", "requests", "google"))
 
 
-def _fail(e: BaseException, line: str, code: int, as_main: bool) -> None:
+def _fail(e: BaseException, line: str, code: int, as_main: bool, hint: bool = True) -> None:
     """Print the one line, keep the traceback in the run's log.txt (and on stderr with SAGE_DEBUG=1), exit."""
     if os.environ.get("SAGE_DEBUG"):
         traceback.print_exc()
     logs = _log_traceback(e)
-    if code == 1 and not os.environ.get("SAGE_DEBUG"):
+    if code == 1 and hint and not os.environ.get("SAGE_DEBUG"):
         line += f" (traceback in {', '.join(logs)})" if logs else " (rerun with SAGE_DEBUG=1 to see the traceback)"
     print(line, file=sys.stderr)
     _leave_together()
     if as_main:  # orbax / tensorstore threads still running would print tracebacks at interpreter shutdown
         _exit_now(code)
     sys.exit(code)
+
+
+def _thread_failed(args) -> None:
+    """A background thread's error (e.g. TensorBoard's writer when its bucket does not answer): one line on stderr,
+    the traceback in the run's log.txt, instead of a screen of traceback."""
+    if args.exc_type is SystemExit:
+        return
+    logs = _log_traceback(args.exc_value)
+    text = (str(args.exc_value).strip().splitlines() or [""])[0][:300]
+    name = args.thread.name if args.thread is not None else "?"
+    print(f"warning: background thread {name} failed: {args.exc_type.__name__}: {text}"
+          + (f" (traceback in {', '.join(logs)})" if logs else ""), file=sys.stderr)
 
 
 def _log_traceback(e: BaseException) -> list[str]:
@@ -178,9 +197,16 @@ def setup_runtime(workdir: str) -> None:
     from sage_jax.run import metrics_log as slog
     from sage_jax.run import paths
     sharding.initialize_distributed()
+    bucket = paths.missing_bucket(workdir)
+    if bucket:
+        raise ValueError(f"--workdir {workdir}: the bucket gs://{bucket} does not exist: create it (gcloud storage "
+                         "buckets create; on an emulator, its POST .../storage/v1/b, see the README) or pass another "
+                         "--workdir")
     try:
         paths.makedirs(workdir)
         run_guard.acquire(workdir)
+    except paths.StorageUnreachable:
+        raise
     except OSError as e:  # a read-only or full disk, a folder that cannot be made
         raise ValueError(f"workdir {workdir}: cannot write there ({e.strerror or e}); pass a --workdir on a writable "
                          "disk with free space") from None

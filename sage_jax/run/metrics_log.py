@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence, TextIO
 import jax
 import numpy as np
 
-from sage_jax.run import paths
+from sage_jax.run import paths, retry
 
 log = pylogging.getLogger(__name__)
 
@@ -317,7 +317,7 @@ class _BucketLog(pylogging.Handler):
     def __init__(self, path: str):
         super().__init__()
         self.path, self._lines, self._last = path, collections.deque(), time.monotonic()
-        self._upload = threading.Lock()
+        self._upload, self._failed = threading.Lock(), -float("inf")  # the last failed upload's time
 
     def handle(self, record: pylogging.LogRecord) -> bool:
         if self.filter(record):
@@ -331,8 +331,12 @@ class _BucketLog(pylogging.Handler):
             if record.exc_info:
                 self._write(wait=30)  # a failure's traceback: before the process ends
                 return
+            if retry.busy() or time.monotonic() - self._failed < self.FLUSH_S:
+                return  # the bucket does not answer now: the lines wait for a later upload
             if record.levelno >= pylogging.WARNING or time.monotonic() - self._last >= self.FLUSH_S:
                 self._write(wait=0)
+        except OSError:  # the bucket did not take them (they are kept); the run reports the outage itself
+            self._failed = time.monotonic()
         except Exception:  # noqa: BLE001 - logging must not raise
             self.handleError(record)
 
@@ -345,7 +349,11 @@ class _BucketLog(pylogging.Handler):
             while self._lines:
                 lines.append(self._lines.popleft())
             if lines:
-                paths.append_text(self.path, "".join(lines))
+                try:
+                    paths.append_text(self.path, "".join(lines))
+                except Exception:
+                    self._lines.extendleft(reversed(lines))  # kept for the next upload
+                    raise
         finally:
             self._upload.release()
 
@@ -360,16 +368,11 @@ class _BucketLog(pylogging.Handler):
 
 
 class _Fenced(pylogging.Filter):
-    """log.txt takes no more lines once this run lost its workdir's lease (run/lease.py): the workdir is another
-    run's then, and so is its log."""
-
-    def __init__(self, path: str):
-        super().__init__()
-        self.path = path
+    """log.txt takes no more lines once this run lost its workdir's lease (run/lease.py): it is another run's then."""
 
     def filter(self, record: pylogging.LogRecord) -> bool:
         try:
-            paths.fence(self.path, renew=False)
+            paths.fence("log.txt", renew=False)  # any leases this process holds
         except Exception:  # noqa: BLE001 - LeaseLost
             return False
         return True
@@ -406,7 +409,7 @@ def setup_python_logging(workdir: str | os.PathLike | None = None, level: int | 
         handlers.append(_BucketLog(log_txt) if paths.is_remote(log_txt) else
                         pylogging.FileHandler(log_txt, encoding="utf-8"))
         handlers[-1].setLevel(level)
-        handlers[-1].addFilter(_Fenced(log_txt))
+        handlers[-1].addFilter(_Fenced())
     for h in handlers:
         h.setFormatter(formatter)
         h._sage_jax = True

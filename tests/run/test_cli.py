@@ -100,3 +100,11 @@ def test_a_failed_save_leaves_no_hook_that_swallows_errors():
     finally:
         sys.excepthook, threading.excepthook, sys.unraisablehook = before[0], original_thread, before[2]
         threading.excepthook = before[1]
+
+
+def test_a_background_thread_error_is_one_line_with_the_traceback_in_log_txt(tmp_path):
+    body = ("import threading; t = threading.Thread(target=lambda: 1 / 0, name='writer'); t.start(); t.join()")
+    proc = _run(tmp_path, _FAILS.format(body=body), str(tmp_path / "w"))
+    assert proc.returncode == 0, proc.stderr
+    assert "warning: background thread writer failed: ZeroDivisionError: division by zero" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Traceback" in (tmp_path / "w" / "log.txt").read_text()
