@@ -4,26 +4,24 @@ metric fetching, the NaN guard, and stdlib logging to console and WORKDIR/log.tx
 Import as `from sage_jax.run import metrics_log as slog` (named so that it shadows no standard-library module).
 Only the primary process (jax.process_index() == 0) writes files. Every file goes through run/paths.py, so a gs://
 workdir gets them in the bucket: metrics.jsonl and samples.jsonl are appended to with one compose per log call, and
-log.txt is appended to in batches (_BucketLog).
+log.txt is appended to in batches (run/log_files.py).
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
 import logging as pylogging
 import math
 import os
 import sys
-import threading
 import time
 from typing import Any, Mapping, Sequence, TextIO
 
 import jax
 import numpy as np
 
-from sage_jax.run import paths, retry
+from sage_jax.run import paths
+from sage_jax.run.log_files import BucketLog as _BucketLog, Fenced as _Fenced
 
 log = pylogging.getLogger(__name__)
 
@@ -306,78 +304,6 @@ def check_finite(step: int, metrics: Mapping[str, Any], last_good_checkpoint_ste
 
 
 # -- stdlib logging --------------------------------------------------------------------------------------------------
-class _BucketLog(pylogging.Handler):
-    """log.txt on a bucket: lines are held and appended (paths.append_text) at most every FLUSH_S seconds, at once
-    for a warning or an error, and at close (logging.shutdown); a kill loses at most the last FLUSH_S seconds.
-
-    No lock is held while a record is handled: an upload waits on gcsfs's event-loop thread, which logs too, and a
-    record that arrives during an upload (from any thread) only joins the lines the next one takes."""
-    FLUSH_S = 10.0
-
-    def __init__(self, path: str):
-        super().__init__()
-        self.path, self._lines, self._last = path, collections.deque(), time.monotonic()
-        self._upload, self._failed = threading.Lock(), -float("inf")  # the last failed upload's time
-
-    def handle(self, record: pylogging.LogRecord) -> bool:
-        if self.filter(record):
-            self.emit(record)
-            return True
-        return False
-
-    def emit(self, record: pylogging.LogRecord) -> None:
-        try:
-            self._lines.append(self.format(record) + "\n")
-            if record.exc_info:
-                self._write(wait=30)  # a failure's traceback: before the process ends
-                return
-            if retry.busy() or time.monotonic() - self._failed < self.FLUSH_S:
-                return  # the bucket does not answer now: the lines wait for a later upload
-            if record.levelno >= pylogging.WARNING or time.monotonic() - self._last >= self.FLUSH_S:
-                self._write(wait=0)
-        except OSError:  # the bucket did not take them (they are kept); the run reports the outage itself
-            self._failed = time.monotonic()
-        except Exception:  # noqa: BLE001 - logging must not raise
-            self.handleError(record)
-
-    def _write(self, wait: float) -> None:
-        got = self._upload.acquire(timeout=wait) if wait else self._upload.acquire(blocking=False)
-        if not got:
-            return  # another upload is under way (maybe this thread's own: a record it logged)
-        try:
-            self._last, lines = time.monotonic(), []
-            while self._lines:
-                lines.append(self._lines.popleft())
-            if lines:
-                try:
-                    paths.append_text(self.path, "".join(lines))
-                except Exception:
-                    self._lines.extendleft(reversed(lines))  # kept for the next upload
-                    raise
-        finally:
-            self._upload.release()
-
-    def flush(self) -> None:
-        """Called by cli.main_guard before the process ends: at interpreter exit gcsfs's session is closed."""
-        with contextlib.suppress(Exception):  # logging.shutdown at exit must not raise
-            self._write(wait=30)
-
-    def close(self) -> None:
-        self.flush()
-        super().close()
-
-
-class _Fenced(pylogging.Filter):
-    """log.txt takes no more lines once this run lost its workdir's lease (run/lease.py): it is another run's then."""
-
-    def filter(self, record: pylogging.LogRecord) -> bool:
-        try:
-            paths.fence("log.txt", renew=False)  # any leases this process holds
-        except Exception:  # noqa: BLE001 - LeaseLost
-            return False
-        return True
-
-
 _NOISY_LOGGERS = ("absl", "jax._src", "orbax", "tensorstore", "urllib3", "filelock", "fsspec", "gcsfs", "google")
 
 

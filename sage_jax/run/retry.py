@@ -29,6 +29,20 @@ _state = {"answered": False, "down": ""}  # a remote call has succeeded; why the
 _inside = threading.local()
 
 
+class _Quiet(pylogging.Filter):
+    """gcsfs logs every request that ran out of its own retries as an ERROR with a traceback (a screen per request
+    while a bucket does not answer); `call` decides and reports: those records go to DEBUG, without the traceback."""
+
+    def filter(self, record: pylogging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        if record.levelno >= pylogging.ERROR:
+            record.levelno, record.levelname = pylogging.DEBUG, "DEBUG"
+        return True
+
+
+pylogging.getLogger("gcsfs").addFilter(_Quiet())
+
+
 class StorageUnreachable(OSError):
     """A remote workdir (a bucket) did not answer for RETRY_S seconds: the run stops (one line, cli.main_guard)."""
 
