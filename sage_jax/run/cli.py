@@ -199,9 +199,10 @@ def setup_runtime(workdir: str) -> None:
     sharding.initialize_distributed()
     bucket = paths.missing_bucket(workdir)
     if bucket:
-        raise ValueError(f"--workdir {workdir}: the bucket gs://{bucket} does not exist: create it (gcloud storage "
-                         "buckets create; on an emulator, its POST .../storage/v1/b, see the README) or pass another "
-                         "--workdir")
+        case = " (bucket names are lower case)" if bucket != bucket.lower() else ""
+        raise ValueError(f"--workdir {workdir}: the bucket gs://{bucket} does not exist{case}: create it (gcloud "
+                         "storage buckets create; on an emulator, its POST .../storage/v1/b, see the README) or pass "
+                         "another --workdir")
     try:
         paths.makedirs(workdir)
         run_guard.acquire(workdir)

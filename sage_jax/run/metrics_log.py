@@ -249,12 +249,12 @@ class Progress:
                                 f"{self.desc} step {step}/{self.total}: {self.postfix}", None, None)
         if not self.enabled:
             log.handle(record)
-            return
         for handler in pylogging.getLogger().handlers:
-            if isinstance(handler, (pylogging.FileHandler, _BucketLog)) and record.levelno >= handler.level:
+            if self.enabled and isinstance(handler, (pylogging.FileHandler, _BucketLog)) and \
+                    record.levelno >= handler.level:
                 handler.handle(record)
-                if isinstance(handler, _BucketLog):  # each step's line is in the bucket when the step's metrics are
-                    handler.flush()
+            if isinstance(handler, _BucketLog):  # each step's line is in the bucket when the step's metrics are
+                handler.flush()
 
     def close(self) -> None:
         self._bar.close()

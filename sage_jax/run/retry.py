@@ -31,13 +31,13 @@ _inside = threading.local()
 
 class _Quiet(pylogging.Filter):
     """gcsfs logs every request that ran out of its own retries as an ERROR with a traceback (a screen per request
-    while a bucket does not answer); `call` decides and reports: those records go to DEBUG, without the traceback."""
+    while a bucket does not answer), and warns per bucket when it cannot probe the bucket's type without credentials;
+    `call` decides and reports, in one line: those records are dropped, the rest keep no traceback."""
+    DROPPED = ("out of retries", "non-retriable", "Could not determine bucket type")
 
     def filter(self, record: pylogging.LogRecord) -> bool:
         record.exc_info, record.exc_text = None, None
-        if record.levelno >= pylogging.ERROR:
-            record.levelno, record.levelname = pylogging.DEBUG, "DEBUG"
-        return True
+        return not any(words in str(record.msg) for words in self.DROPPED)
 
 
 pylogging.getLogger("gcsfs").addFilter(_Quiet())

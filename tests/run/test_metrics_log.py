@@ -222,9 +222,11 @@ def test_each_step_line_is_in_a_bucket_log_when_the_step_is_done(monkeypatch):
     root = logging.getLogger()
     root.addHandler(handler)
     try:
-        progress = slog.Progress(total=3, enabled=True, file=io.StringIO())
-        progress.update(1, {"rl/reward": 0.5})
-        assert [p for p, t in appended if "train step 1/3" in t] == ["gs://bucket/run/log.txt"], appended
-        progress.close()
+        for enabled in (True, False):  # with a bar, and without (train.progress=False: the line is the console's too)
+            appended.clear()
+            progress = slog.Progress(total=3, enabled=enabled, file=io.StringIO())
+            progress.update(1, {"rl/reward": 0.5})
+            assert [p for p, t in appended if "train step 1/3" in t] == ["gs://bucket/run/log.txt"], appended
+            progress.close()
     finally:
         root.removeHandler(handler)
