@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 _SAVE_REFUSED = """
@@ -108,3 +110,36 @@ def test_a_background_thread_error_is_one_line_with_the_traceback_in_log_txt(tmp
     assert proc.returncode == 0, proc.stderr
     assert "warning: background thread writer failed: ZeroDivisionError: division by zero" in proc.stderr
     assert "Traceback" not in proc.stderr and "Traceback" in (tmp_path / "w" / "log.txt").read_text()
+
+
+_SAVE_ON_A_READ_ONLY_DISK = """
+import logging, sys
+import jax
+from sage_jax.run import checkpoint, cli, metrics_log
+
+def main():
+    metrics_log.setup_python_logging(sys.argv[1], logging.INFO)
+    checkpoint.Checkpointer(sys.argv[1] + "/rl").save(1, {"w": jax.numpy.zeros(4)})
+
+cli.main_guard(main)
+"""
+
+
+def test_a_save_into_a_really_read_only_checkpoint_folder_prints_one_line(tmp_path):
+    """The item-1 run as it was found: a read-only checkpoint folder (a read-only tmpfs in a private mount namespace;
+    needs root, skipped elsewhere) made the run exit 1 with no message."""
+    import shutil
+    folder = tmp_path / "wd" / "rl" / "checkpoints"
+    folder.mkdir(parents=True)
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=1m,ro tmpfs {folder}"],
+                           capture_output=True, text=True) if shutil.which("unshare") else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip(f"no private tmpfs here: {probe.stderr.strip() if probe else 'no unshare'}")
+    script = tmp_path / "save.py"
+    script.write_text(_SAVE_ON_A_READ_ONLY_DISK)
+    shell = f"mount -t tmpfs -o size=1m,ro tmpfs {folder} && exec {sys.executable} {script} {tmp_path / 'wd'}"
+    r = subprocess.run(["unshare", "-m", "sh", "-c", shell], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu"))
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
+    assert lines[0].startswith("error: cannot write checkpoint step 1 in ") and "read-only" in lines[0], lines[0]
