@@ -135,18 +135,18 @@ def _thread_failed(args) -> None:
     the traceback in the run's log.txt, instead of a screen of traceback."""
     if args.exc_type is SystemExit:
         return
-    logs = _log_traceback(args.exc_value)
-    text = (str(args.exc_value).strip().splitlines() or [""])[0][:300]
     name = args.thread.name if args.thread is not None else "?"
+    logs = _log_traceback(args.exc_value, f"background thread {name} failed")
+    text = (str(args.exc_value).strip().splitlines() or [""])[0][:300]
     print(f"warning: background thread {name} failed: {args.exc_type.__name__}: {text}"
           + (f" (traceback in {', '.join(logs)})" if logs else ""), file=sys.stderr)
 
 
-def _log_traceback(e: BaseException) -> list[str]:
+def _log_traceback(e: BaseException, what: str = "the run failed") -> list[str]:
     """The error and its traceback into the run's log files only (not the console); their paths."""
     logger = pylogging.getLogger("sage_jax")
-    record = logger.makeRecord(logger.name, pylogging.ERROR, __file__, 0, "the run failed: %s: %s",
-                               (type(e).__name__, e), (type(e), e, e.__traceback__))
+    record = logger.makeRecord(logger.name, pylogging.ERROR, __file__, 0, "%s: %s: %s", (what, type(e).__name__, e),
+                               (type(e), e, e.__traceback__))
     written = []
     for handler in pylogging.getLogger().handlers:
         # log.txt (run/metrics_log.py's handlers: a local file, or lines appended to an object in a bucket)

@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Any, Iterator
 
-from sage_jax.run import paths
+from sage_jax.run import paths, retry
 
 log = pylogging.getLogger("sage_jax")
 
@@ -241,14 +241,19 @@ class _Lease(threading.Thread):
             return None
         late = time.time() - self.beat > FRESH_BEATS * BEAT_S
         holder, why = _read_lock(self.path), "the lock is unreadable"
-        if holder is not None and holder.get("token") != self.me["token"]:
+        if holder and holder.get("token") != self.me["token"]:
             self.lost = _lost(self.path, holder)
             return None
         if holder is not None:
             now = time.time()
+            record = json.dumps({**self.me, "beat": now})
             try:
-                paths.write_text(self.path, json.dumps({**self.me, "beat": now}))
-                if not late or _settled(self.path, self.me, anywhere=True):
+                if holder:
+                    paths.write_text(self.path, record)
+                elif not paths.create_text(self.path, record):  # gone (deleted by hand): back, unless another run
+                    self.lost = _lost(self.path, _read_lock(self.path) or {})  # made it meanwhile
+                    return None
+                if (holder and not late) or _settled(self.path, self.me, anywhere=True):
                     self.beat = now
                 else:
                     self.lost = _lost(self.path, _read_lock(self.path) or {})
@@ -258,10 +263,10 @@ class _Lease(threading.Thread):
         age = time.time() - self.beat
         if age <= FRESH_BEATS * BEAT_S:
             return why
-        self.lost = (f"this run could not renew the lock {self.path} of its workdir for {age:.0f} s ({why}): "
-                     f"another run may take the workdir over after {MISSED_BEATS * BEAT_S:.0f} s, so this run "
-                     "stopped and writes nothing more; once the workdir is reachable again, rerun the same command "
-                     "to resume from its last checkpoint")
+        self.lost = (f"this run could not renew the lock {self.path} of its workdir for {age:.0f} s "
+                     f"({retry.gave_up() or why}): another run may take the workdir over after "
+                     f"{MISSED_BEATS * BEAT_S:.0f} s, so this run stopped and writes nothing more; once the workdir "
+                     "is reachable again, rerun the same command to resume from its last checkpoint")
         return None
 
     def check(self, renew: bool = True) -> None:

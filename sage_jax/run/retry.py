@@ -101,6 +101,11 @@ def call(p: PathLike, op: Callable[[], Any]) -> Any:
         _inside.on = False
 
 
+def gave_up() -> str:
+    """Why the store was given up ("" while it has not been)."""
+    return _state["down"]
+
+
 def check_up() -> None:
     """StorageUnreachable if the store was given up (before a write that does not go through `call`)."""
     if _state["down"]:

@@ -327,10 +327,11 @@ def test_gcs_workdir_whose_bucket_goes_away_stops_with_one_line_and_resumes(tmp_
     finally:
         if run.poll() is None:
             run.kill()
-    assert run.returncode == 1, err[-3000:]
+    # the first to give up says it: a write (exit 1), or the lease that could not be renewed in time (exit 2)
+    assert run.returncode in (1, 2), err[-3000:]
     last = err.strip().splitlines()[-1]
-    assert last.startswith(f"error: the storage of gs://{BUCKET}/away") and "did not answer" in last, err[-3000:]
-    assert "rerun the same command to resume" in last and "Traceback" not in err, err[-3000:]
+    assert last.startswith("error: ") and f"the storage of gs://{BUCKET}/away" in last, err[-3000:]
+    assert "did not answer" in last and "rerun the same command" in last and "Traceback" not in err, err[-3000:]
     assert took < 10 + 3 * 60, took  # the bounded retries plus gcsfs's own per request, not many minutes
     store = start()  # back, with what it held
     try:

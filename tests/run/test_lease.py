@@ -178,3 +178,16 @@ def test_the_step_loop_stops_at_the_boundary_once_the_lease_is_lost(tmp_path, mo
                     _taken(tmp_path)
                     time.sleep(0.5)
     assert done == [0, 1] and Ckpt.saved == []
+
+
+def test_a_lock_deleted_under_its_holder_is_made_again_unless_another_run_has_it(tmp_path, monkeypatch):
+    from sage_jax.run import paths
+    monkeypatch.setattr(lease, "BEAT_S", 0.1)
+    monkeypatch.setattr(lease, "SETTLE_S", 0.05)
+    with run_guard.locked(str(tmp_path)):
+        mine = json.loads((tmp_path / "run.lock").read_text())["token"]
+        (tmp_path / "run.lock").unlink()  # by hand
+        time.sleep(0.6)
+        assert json.loads((tmp_path / "run.lock").read_text())["token"] == mine
+        paths.append_text(str(tmp_path / "metrics.jsonl"), "row\n")  # still this run's workdir
+    assert not (tmp_path / "run.lock").exists()
