@@ -250,14 +250,17 @@ class _Lease(threading.Thread):
             try:
                 if holder:
                     paths.write_text(self.path, record)
-                elif not paths.create_text(self.path, record):  # gone (deleted by hand): back, unless another run
-                    self.lost = _lost(self.path, _read_lock(self.path) or {})  # made it meanwhile
-                    return None
-                if (holder and not late) or _settled(self.path, self.me, anywhere=True):
+                    ok = True
+                else:  # gone (deleted by hand): made again, unless another run made it meanwhile
+                    ok = paths.create_text(self.path, record)
+                if ok and ((holder and not late) or _settled(self.path, self.me, anywhere=True)):
                     self.beat = now
-                else:
-                    self.lost = _lost(self.path, _read_lock(self.path) or {})
-                return None
+                    return None
+                latest = _read_lock(self.path)  # not ours now; or a store's overwrite that read as absent
+                if latest and latest.get("token") != self.me["token"]:
+                    self.lost = _lost(self.path, latest)
+                    return None
+                raise OSError("the lock did not read back as this run's")
             except OSError as e:
                 why = f"{type(e).__name__}: {e}"
         age = time.time() - self.beat

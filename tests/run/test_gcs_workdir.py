@@ -311,7 +311,8 @@ def test_gcs_workdir_whose_bucket_goes_away_stops_with_one_line_and_resumes(tmp_
                                      data=json.dumps({"name": BUCKET}).encode(),
                                      headers={"Content-Type": "application/json"})
     urllib.request.urlopen(request, timeout=10).read()
-    env, workdir = dict(_env(url), SAGE_STORAGE_RETRY_S="10"), f"gs://{BUCKET}/away"
+    # a beat of 5 s: the filesystem-backed emulator can answer "not found" to a read racing an overwrite
+    env, workdir = dict(_env(url), SAGE_STORAGE_RETRY_S="10", SAGE_LEASE_BEAT_S="5"), f"gs://{BUCKET}/away"
     cmd = _train(workdir, "--config.train.steps=40")
     run = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
