@@ -16,11 +16,12 @@ SETTLE_S seconds later and only count if their token is still there, so of two w
 Fencing: every write or delete under the workdir (run/paths.py's writes, a checkpoint save, the log files) first
 asks `fence`. The holder counts its lease as its own only while its last renewal is younger than FRESH_BEATS (2)
 intervals, one interval short of a take-over: past that (the process was paused, SIGSTOP or a frozen VM, or its
-renewals failed), the next write renews first, reading the lock. A lock that another run holds now, or that is gone,
-or a renewal that keeps failing until the lease is no longer safe, makes the lease lost: from then on every write
-raises LeaseLost (a line naming the other holder), the log files take no more lines, and the step loop stops at its
-next boundary (run/guard.py), with no checkpoint, no metrics and no deletion. The lease is only checked before the
-write, not held through it: a pause of more than a whole lease between the check and the write is not caught.
+renewals failed), the next write renews first, reading the lock. A lock that is gone (deleted by hand) is made
+again, exclusively; a lock that another run holds now, or a renewal that keeps failing until the lease is no longer
+safe, makes the lease lost: from then on every write raises LeaseLost (a line naming the other holder), the log
+files take no more lines, and the step loop stops at its next boundary (run/guard.py), with no checkpoint, no
+metrics and no deletion. The lease is only checked before the write, not held through it: a pause of more than a
+whole lease between the check and the write is not caught.
 """
 
 from __future__ import annotations
