@@ -23,16 +23,17 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from sage_jax.run import metrics_log as slog, paths
+from sage_jax.run import metrics_log as slog, paths, retry
 from sage_jax.run.save_errors import quiet_failures as _quiet_failures, write_failure as _write_failure
 
 log = pylogging.getLogger(__name__)
+retry.bound_tensorstore_retries()  # a bucket that does not answer: about SAGE_STORAGE_RETRY_S, as run/paths.py
 
 _ITEMS = ("state", "meta")
 
 
 class CheckpointError(RuntimeError):
-    """No checkpoint in the workdir could be restored."""
+    """No checkpoint in the workdir could be restored, or one could not be written."""
 
 
 def _json_default(x: Any) -> Any:
@@ -71,8 +72,7 @@ def _all_processes(ok: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.array([ok]))))
 
 
-# Files orbax 0.12 writes in every step; only used to explain a failure, never to decide one.
-_EXPECTED_FILES = ("state/_METADATA", "state/manifest.ocdbt", "meta/metadata")
+_EXPECTED_FILES = ("state/_METADATA", "state/manifest.ocdbt", "meta/metadata")  # orbax 0.12's: to explain only
 
 
 @contextlib.contextmanager
@@ -139,33 +139,35 @@ class Checkpointer:
     # -- saving -------------------------------------------------------------------------------------------------
     def save(self, step: int, state: Any, meta: dict[str, Any] | None = None, force: bool = False) -> bool:
         """Write `state` and `meta` as checkpoint `step`; False if orbax skipped it (step not newer than latest).
-
         With async_save the call returns once arrays are copied off the devices, so the caller may donate `state`
-        right after; call wait() before reading the files.
-        """
+        right after; call wait() before reading the files."""
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   meta=ocp.args.JsonSave(_jsonable(dict(meta or {}))))
+        paths.fence(os.fspath(self.directory))  # a run that lost its workdir's lease writes (and prunes) nothing
         with deferred_interrupt(), _quiet_failures():
             try:
                 return bool(self._manager.save(int(step), args=args, force=force))
             except Exception as e:
-                self._raise_disk_full(e, int(step))
+                self._raise_write_failure(e, int(step))
                 raise
 
-    def _raise_disk_full(self, e: BaseException, step: int | None) -> None:
-        cause = _write_failure(e)
+    def _raise_write_failure(self, e: BaseException, step: int | None) -> None:
+        """CheckpointError naming the checkpoint, the cause and the fix, for a write that failed on the disk (no
+        room, no permission, read-only, quota, I/O error) or any other OSError; other errors go on as they are."""
+        cause = _write_failure(e) or (isinstance(e, OSError) and f"{e.strerror or _cause_text(e)} ({e.filename}); "
+                                      "check that the folder is reachable and writable, or use another --workdir")
         if cause:
             done = [s for s in self.all_steps() if s != step]
             what = "the checkpoint in flight" if step is None else f"checkpoint step {step}"
             raise CheckpointError(f"cannot write {what} in {self.directory}: {cause} (the newest complete "
-                                  f"checkpoint is step {done[-1] if done else 'none'})") from None
+                                  f"checkpoint is step {done[-1] if done else 'none'})") from e
 
     def wait(self) -> None:
         with deferred_interrupt(), _quiet_failures():
             try:
                 self._manager.wait_until_finished()
             except Exception as e:
-                self._raise_disk_full(e, None)
+                self._raise_write_failure(e, None)
                 raise
 
     def close(self) -> None:
@@ -178,8 +180,7 @@ class Checkpointer:
         return sorted(int(s) for s in self._manager.all_steps())
 
     def latest_step(self) -> int | None:
-        steps = self.all_steps()
-        return steps[-1] if steps else None
+        return (self.all_steps() or [None])[-1]
 
     def discard_after(self, step: int | None) -> list[int]:
         """Move the steps newer than `step` (all of them for None) to WORKDIR/checkpoints_corrupt/, so a rerun resumes
@@ -285,6 +286,7 @@ class Checkpointer:
         """Move corrupt steps out of the step listing; otherwise orbax skips saves at steps <= the corrupt one."""
         corrupt_dir = epath.Path(self.workdir) / "checkpoints_corrupt"
         if jax.process_index() == 0:
+            paths.fence(corrupt_dir)
             corrupt_dir.mkdir(parents=True, exist_ok=True)
             stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
             for s in bad_steps:

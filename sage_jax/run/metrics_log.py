@@ -4,19 +4,16 @@ metric fetching, the NaN guard, and stdlib logging to console and WORKDIR/log.tx
 Import as `from sage_jax.run import metrics_log as slog` (named so that it shadows no standard-library module).
 Only the primary process (jax.process_index() == 0) writes files. Every file goes through run/paths.py, so a gs://
 workdir gets them in the bucket: metrics.jsonl and samples.jsonl are appended to with one compose per log call, and
-log.txt is appended to in batches (_BucketLog).
+log.txt is appended to in batches (run/log_files.py).
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
 import logging as pylogging
 import math
 import os
 import sys
-import threading
 import time
 from typing import Any, Mapping, Sequence, TextIO
 
@@ -24,6 +21,7 @@ import jax
 import numpy as np
 
 from sage_jax.run import paths
+from sage_jax.run.log_files import BucketLog as _BucketLog, Fenced as _Fenced
 
 log = pylogging.getLogger(__name__)
 
@@ -251,10 +249,12 @@ class Progress:
                                 f"{self.desc} step {step}/{self.total}: {self.postfix}", None, None)
         if not self.enabled:
             log.handle(record)
-            return
         for handler in pylogging.getLogger().handlers:
-            if isinstance(handler, (pylogging.FileHandler, _BucketLog)) and record.levelno >= handler.level:
+            if self.enabled and isinstance(handler, (pylogging.FileHandler, _BucketLog)) and \
+                    record.levelno >= handler.level:
                 handler.handle(record)
+            if isinstance(handler, _BucketLog):  # each step's line is in the bucket when the step's metrics are
+                handler.flush()
 
     def close(self) -> None:
         self._bar.close()
@@ -304,56 +304,6 @@ def check_finite(step: int, metrics: Mapping[str, Any], last_good_checkpoint_ste
 
 
 # -- stdlib logging --------------------------------------------------------------------------------------------------
-class _BucketLog(pylogging.Handler):
-    """log.txt on a bucket: lines are held and appended (paths.append_text) at most every FLUSH_S seconds, at once
-    for a warning or an error, and at close (logging.shutdown); a kill loses at most the last FLUSH_S seconds.
-
-    No lock is held while a record is handled: an upload waits on gcsfs's event-loop thread, which logs too, and a
-    record that arrives during an upload (from any thread) only joins the lines the next one takes."""
-    FLUSH_S = 10.0
-
-    def __init__(self, path: str):
-        super().__init__()
-        self.path, self._lines, self._last = path, collections.deque(), time.monotonic()
-        self._upload = threading.Lock()
-
-    def handle(self, record: pylogging.LogRecord) -> bool:
-        if self.filter(record):
-            self.emit(record)
-            return True
-        return False
-
-    def emit(self, record: pylogging.LogRecord) -> None:
-        try:
-            self._lines.append(self.format(record) + "\n")
-            if record.levelno >= pylogging.WARNING or time.monotonic() - self._last >= self.FLUSH_S:
-                self._write(wait=0)
-        except Exception:  # noqa: BLE001 - logging must not raise
-            self.handleError(record)
-
-    def _write(self, wait: float) -> None:
-        got = self._upload.acquire(timeout=wait) if wait else self._upload.acquire(blocking=False)
-        if not got:
-            return  # another upload is under way (maybe this thread's own: a record it logged)
-        try:
-            self._last, lines = time.monotonic(), []
-            while self._lines:
-                lines.append(self._lines.popleft())
-            if lines:
-                paths.append_text(self.path, "".join(lines))
-        finally:
-            self._upload.release()
-
-    def flush(self) -> None:
-        """Called by cli.main_guard before the process ends: at interpreter exit gcsfs's session is closed."""
-        with contextlib.suppress(Exception):  # logging.shutdown at exit must not raise
-            self._write(wait=30)
-
-    def close(self) -> None:
-        self.flush()
-        super().close()
-
-
 _NOISY_LOGGERS = ("absl", "jax._src", "orbax", "tensorstore", "urllib3", "filelock", "fsspec", "gcsfs", "google")
 
 
@@ -385,6 +335,7 @@ def setup_python_logging(workdir: str | os.PathLike | None = None, level: int | 
         handlers.append(_BucketLog(log_txt) if paths.is_remote(log_txt) else
                         pylogging.FileHandler(log_txt, encoding="utf-8"))
         handlers[-1].setLevel(level)
+        handlers[-1].addFilter(_Fenced())
     for h in handlers:
         h.setFormatter(formatter)
         h._sage_jax = True

@@ -40,6 +40,9 @@ from typing import Any, Callable, Iterator
 
 from etils import epath
 
+from sage_jax.run import retry
+from sage_jax.run.retry import StorageUnreachable, call as _remote  # noqa: F401 (StorageUnreachable: for callers)
+
 PathLike = str | os.PathLike
 
 
@@ -69,6 +72,25 @@ def _gcs_defaults() -> None:
 _gcs_defaults()
 
 
+_fence: Callable[[str, bool], None] | None = None
+
+
+def set_fence(check: Callable[[str, bool], None] | None) -> None:
+    """check(path, renew) is called before every write or delete here (run/lease.py registers it: a run that lost
+    its workdir's lease writes nothing more); it raises to refuse the write."""
+    global _fence
+    _fence = check
+
+
+def fence(p: PathLike, renew: bool = True) -> None:
+    """Refuse (raise) if this process may not write `p` now (see set_fence; a store given up: StorageUnreachable);
+    for writers outside this module (a checkpoint save)."""
+    if is_remote(p):
+        retry.check_up()
+    if _fence is not None:
+        _fence(os.fspath(p), renew)
+
+
 def path(p: PathLike) -> epath.Path:
     return p if isinstance(p, epath.Path) else epath.Path(os.fspath(p))
 
@@ -84,15 +106,15 @@ def absolute(p: PathLike) -> str:
 
 
 def exists(p: PathLike) -> bool:
-    return path(p).exists()
+    return _remote(p, lambda: path(p).exists())
 
 
 def isdir(p: PathLike) -> bool:
-    return path(p).is_dir()
+    return _remote(p, lambda: path(p).is_dir())
 
 
 def isfile(p: PathLike) -> bool:
-    return path(p).is_file()
+    return _remote(p, lambda: path(p).is_file())
 
 
 def makedirs(p: PathLike) -> None:
@@ -103,27 +125,29 @@ def makedirs(p: PathLike) -> None:
 def listdir(p: PathLike) -> list[str]:
     """The names in a folder; [] if it does not exist."""
     try:
-        return sorted(child.name for child in path(p).iterdir())
+        return _remote(p, lambda: sorted(child.name for child in path(p).iterdir()))
     except (FileNotFoundError, NotADirectoryError):
         return []
 
 
 def remove(p: PathLike) -> None:
     """Delete a file; no error if it is gone already."""
+    fence(p)
     with contextlib.suppress(FileNotFoundError):
-        path(p).unlink()
+        _remote(p, path(p).unlink)
 
 
 def rename(src: PathLike, dst: PathLike) -> None:
     """Move a file over `dst` (atomic on a local disk; a copy and a delete on a bucket)."""
+    fence(dst)
     if is_remote(src) or is_remote(dst):
-        path(src).replace(path(dst))
+        _remote(dst, lambda: path(src).replace(path(dst)))
     else:
         os.replace(src, dst)
 
 
 def read_bytes(p: PathLike) -> bytes:
-    return path(p).read_bytes()
+    return _remote(p, path(p).read_bytes)
 
 
 def read_text(p: PathLike) -> str:
@@ -132,8 +156,9 @@ def read_text(p: PathLike) -> str:
 
 def write_bytes(p: PathLike, data: bytes) -> None:
     """Replace the file whole (see the module doc), making its local folder if needed."""
+    fence(p)
     if is_remote(p):
-        path(p).write_bytes(data)
+        _remote(p, lambda: path(p).write_bytes(data))
         return
     p = os.fspath(p)
     os.makedirs(os.path.dirname(p) or ".", exist_ok=True)
@@ -152,6 +177,7 @@ def create_text(p: PathLike, text: str) -> bool:
     upload with the ifGenerationMatch=0 precondition); elsewhere, and on an emulator that ignores the precondition,
     a check then a write (the run lock reads its file back: run/guard.py)."""
     data = text.encode("utf-8")
+    fence(p)
     if not is_remote(p):
         try:
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -167,7 +193,7 @@ def create_text(p: PathLike, text: str) -> bool:
     fs = _fsspec(p)
     try:
         if _is_gcs(fs):
-            fs.pipe_file(os.fspath(p), data, mode="create")
+            _remote(p, lambda: fs.pipe_file(os.fspath(p), data, mode="create"))
             return True
     except FileExistsError:
         return False
@@ -188,6 +214,19 @@ def _fsspec(p: PathLike):
         return None
 
 
+def missing_bucket(p: PathLike) -> str | None:
+    """The bucket of a gs:// path if the store says there is no such bucket; else None."""
+    fs = _fsspec(p) if is_remote(p) else None
+    if not _is_gcs(fs):
+        return None
+    bucket = fs.split_path(os.fspath(p))[0]
+    try:
+        _remote(p, lambda: fs.call("GET", "b/{}", bucket))
+    except FileNotFoundError:
+        return bucket
+    return None
+
+
 def _is_gcs(fs) -> bool:
     return fs is not None and bool({"gs", "gcs"} & set(getattr(fs, "protocol", ()))) and hasattr(fs, "call")
 
@@ -196,6 +235,7 @@ def append_text(p: PathLike, text: str) -> None:
     """Add `text` at the end of the file, creating it (see the module doc for a bucket)."""
     if not text:
         return
+    fence(p)
     if not is_remote(p):
         os.makedirs(os.path.dirname(os.fspath(p)) or ".", exist_ok=True)
         with open(p, "a", encoding="utf-8") as f:
@@ -207,26 +247,27 @@ def append_text(p: PathLike, text: str) -> None:
         write_text(p, old + text)
         return
     part = target.with_name(f"{target.name}.part-{uuid.uuid4().hex}")
-    part.write_text(text)
+    _remote(p, lambda: part.write_text(text))
     try:
         _compose(fs, os.fspath(target), os.fspath(part))
     except FileNotFoundError:  # the first append: nothing to compose onto
-        target.write_text(text)
+        _remote(p, lambda: target.write_text(text))
     finally:
-        remove(part)
+        with contextlib.suppress(OSError):  # a part left behind is removed by remove_parts
+            remove(part)
 
 
 def _compose(fs, target: str, part: str) -> None:
     """target = target + part, server-side (GCS compose). The request names the target's generation, so a retry of
     a compose that went through (gcsfs retries a 5xx or a lost answer) fails its precondition instead of appending
     the part twice: a 412 is taken as done, since one process writes the file."""
-    generation = fs.info(target)["generation"]  # FileNotFoundError: no target yet
+    generation = _remote(target, lambda: fs.info(target)["generation"])  # FileNotFoundError: no target yet
     bucket, key, _ = fs.split_path(target)
     body = {"sourceObjects": [{"name": key}, {"name": fs.split_path(part)[1]}],
             "destination": {"contentType": "text/plain; charset=utf-8"}}
-    try:
-        fs.call("POST", "b/{}/o/{}/compose", bucket, key, ifGenerationMatch=str(generation), json=body,
-                headers={"Content-Type": "application/json"})
+    try:  # retried with the same generation: a compose that went through is not done twice
+        _remote(target, lambda: fs.call("POST", "b/{}/o/{}/compose", bucket, key, ifGenerationMatch=str(generation),
+                                        json=body, headers={"Content-Type": "application/json"}))
     except FileExistsError:
         pass
 
@@ -254,6 +295,8 @@ def staged_dir(dest: PathLike, writer: bool = True) -> Iterator[str]:
     """A local folder to write `dest`'s files into with libraries that take only local paths (safetensors,
     transformers' save_pretrained): `dest` itself when it is local; else a temporary folder that the writer uploads
     to `dest` when the block ends without an error."""
+    if writer:
+        fence(dest)
     if not is_remote(dest):
         yield os.fspath(dest)
         return

@@ -17,7 +17,7 @@ import functools
 import json
 import logging as pylogging
 import os
-from typing import Any
+from typing import Any, Callable
 
 from sage_jax.run import config as config_lib, paths
 
@@ -116,16 +116,21 @@ def _saved_config(ckpt, step: int, workdir: str) -> dict[str, Any] | None:
     return saved if isinstance(saved, dict) else None
 
 
-def check_resume(config, ckpt, workdir: str, sft: bool = False) -> None:
+def check_resume(config, ckpt, workdir: str, sft: bool = False, check_model: Callable[[], None] = lambda: None,
+                 ) -> None:
     """ConfigError if the newest checkpoint in `ckpt` was made with other settings (see module doc); call on every
-    process before restoring."""
+    process before restoring. check_model (the checkpoint's model against this run's, e.g. Checkpointer.check_model)
+    runs after the settings are compared, so a changed setting is named even where it also changes the weights
+    (with random-init weights the fingerprint follows `seed`), and before a change is recorded."""
     step = ckpt.latest_step()
     saved = None if step is None else _saved_config(ckpt, step, workdir)
     if saved is None:
+        check_model()
         return
     allowed = WEIGHTS_CHECKED if not sft and _weights_recorded(ckpt, step) else ()
     changed = differences(saved, as_record(config), sft=sft, allowed=allowed)
     if not changed:
+        check_model()
         return
     listing = "; ".join(f"{k}: checkpoint {v['checkpoint']!r}, now {v['now']!r}" for k, v in changed.items())
     ranks = _flat(saved).get("model.lora.rank", 0), config.model.lora.rank
@@ -144,6 +149,7 @@ def check_resume(config, ckpt, workdir: str, sft: bool = False) -> None:
             f"the checkpoint at step {step} in {ckpt.directory} was made with other settings ({listing}): rerun with "
             "the original values, pass another --workdir, or add --config.train.allow_config_change=True to go on "
             f"with the new ones (recorded in {os.path.join(workdir, CHANGES_FILE)})")
+    check_model()
     log.warning("resuming at step %d with changed settings (%s); recorded in %s", step, listing,
                 os.path.join(workdir, CHANGES_FILE))
     import jax

@@ -60,11 +60,31 @@ def _report_callback(unraisable) -> None:
     log.debug("checkpoint callback: %s", unraisable.exc_value)
 
 
+def _after_failure(thread_hook, unraisable_hook):
+    """The hooks left in place after a failed save: tensorstore may still call back into the closed loops of the
+    failed writes, and orbax's cancelled writer threads may still end with an error; those stay quiet (DEBUG), and
+    everything else goes to the hooks that were there before, so no other error is swallowed."""
+    def thread(args) -> None:
+        if type(args.thread).__module__.startswith("orbax."):
+            _report_thread(args)
+        else:
+            thread_hook(args)
+
+    def unraisable(u) -> None:
+        if isinstance(u.exc_value, RuntimeError) and "Event loop is closed" in str(u.exc_value):
+            _report_callback(u)
+        else:
+            unraisable_hook(u)
+    return thread, unraisable
+
+
 @contextlib.contextmanager
 def quiet_failures():
     """While orbax writes: its worker threads' exceptions and tracebacks are not printed (the save raises the first
     failure itself). After a failure the save's other writer threads are cancelled and joined before the error goes
-    on, and the hooks stay quiet: tensorstore may still call back into the closed loops of the failed writes."""
+    on; sys.excepthook is always restored (a left-over quiet one swallowed the very error the save raised, and the
+    run exited 1 without a word), and the thread and unraisable hooks stay quiet only for the failed writes' late
+    reports (_after_failure)."""
     hooks, quiet = (threading.excepthook, sys.excepthook, sys.unraisablehook), NoTraceback()
     threading.excepthook = _report_thread
     sys.unraisablehook = _report_callback
@@ -73,27 +93,39 @@ def quiet_failures():
     loggers = [pylogging.getLogger(n) for n in ("absl", "orbax", "asyncio")]
     for lg in loggers:
         lg.addFilter(quiet)
+    failed = False
     try:
         yield
     except BaseException:
+        failed = True
         _shut_down(_writer_threads())
+        raise
+    finally:
+        threading.excepthook, sys.excepthook, sys.unraisablehook = hooks
+        if failed:
+            threading.excepthook, sys.unraisablehook = _after_failure(hooks[0], hooks[2])
         for lg in loggers:
             lg.removeFilter(quiet)
-        raise
-    threading.excepthook, sys.excepthook, sys.unraisablehook = hooks
-    for lg in loggers:
-        lg.removeFilter(quiet)
 
 
-# errno -> what the user is told
+# errno -> (the error's words, what the user is told)
 _CAUSES = {28: ("No space left on device", "no space left on device; free space there or rerun with a --workdir on a "
                 "disk with room"),
            27: ("File too large", "a file exceeds the file-size limit (ulimit -f) or the file system's largest file; "
-                "raise the limit (ulimit -f unlimited) or rerun with a --workdir on another file system")}
+                "raise the limit (ulimit -f unlimited) or rerun with a --workdir on another file system"),
+           13: ("Permission denied", "permission denied; make the folder writable for this user or rerun with "
+                "another --workdir"),
+           30: ("Read-only file system", "the file system is read-only; remount it writable or rerun with a "
+                "--workdir on a writable disk"),
+           122: ("Disk quota exceeded", "the disk quota is exceeded; free space within the quota or rerun with a "
+                 "--workdir on another disk"),
+           5: ("Input/output error", "an I/O error on the disk; check the disk (dmesg) or rerun with a --workdir on "
+               "another one")}
 
 
 def write_failure(e: BaseException) -> str | None:
-    """What went wrong and the fix, in words, if `e` is a write that failed for lack of room; else None."""
+    """What went wrong and the fix, in words, if `e` is a write that failed for lack of room or permission, or on
+    a read-only or failing disk; else None."""
     text = str(e)
     for code, (strerror, words) in _CAUSES.items():
         if strerror in text or f"os_error_code='{code}'" in text or getattr(e, "errno", None) == code:

@@ -155,6 +155,11 @@ class Carry:
             if name.startswith("carry_") and name.endswith(".npz") and int(name[6:-4]) not in needed:
                 paths.remove(os.path.join(self.dir, name))
 
+    def report(self) -> str:
+        rows = [r for g in self.groups.values() for r in g.rows]
+        return (f"{len(self.groups)} groups, {len(rows)} rows ({sum(not r.done for r in rows)} unfinished), the data "
+                f"stream at example {self.cursor}")
+
     # ---------------------------------------------------------------------------------------- one step
     def plan(self, step: int, batch_groups: int, oversample: float, max_lag: int) -> tuple[int, int, int]:
         """Drop the groups too old to train at `step`; -> (groups dropped, groups still needed complete, fresh
@@ -331,3 +336,20 @@ def collect_phases(task, cfg, config, pool, params, rl_step: int, version: int |
              "rl/prompts_cut": float(cut[0]), **step_stats(ro, rl_step, carry, dropped, drawn, gen_s)}
     stats.update(pool.take_counts())
     return ro, stats
+
+
+def report_dropped(workdir: str, step: int) -> None:
+    """A run resumed at `step` with rollout.partial turned off (allow_config_change): the carry a partial run saved
+    for that step is not used; say what it held, rather than drop its rows without a word."""
+    path = os.path.join(workdir, "partial", f"carry_{step}.npz")
+    if not paths.exists_agreed(path):
+        return
+    carry = Carry()
+    try:
+        carry.load_bytes(paths.read_bytes(path))
+        held = carry.report()
+    except (OSError, ValueError, KeyError) as e:
+        held = f"unreadable: {e}"
+    log.warning("rollout.partial is off now: the partial rollouts in flight at RL step %d (%s: %s) are dropped, never "
+                "trained on; the data stream goes on by step. To keep them, resume with --config.rollout.partial=True",
+                step, path, held)

@@ -21,12 +21,10 @@ from sage_jax.data import tasks
 from sage_jax.eval import passk as evaluation
 from sage_jax.models import build, lora, sharding
 from sage_jax.rl import guides, objectives, packing
-from sage_jax.run import checkpoint, paths
+from sage_jax.run import checkpoint, config as config_lib, guard as run_guard, metrics_log as slog, paths
+from sage_jax.run import record as run_record
 from sage_jax.training import offpolicy, partial as partial_lib, rollouts, supervised
-from sage_jax.run import config as config_lib
-from sage_jax.run import metrics_log as slog
 from sage_jax.models import decoder as model_lib
-from sage_jax.run import guard as run_guard, record as run_record
 from sage_jax.training import step_timing, state as train_state
 from sage_jax.rewards.pool import RewardPool
 from sage_jax.training.rollouts import collect_phases, collect_rollouts  # run_rl's collect: collect_phases
@@ -254,13 +252,15 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
         ctx, state = setup_rl(config, mesh, rules, task.tokenizer, params_override)
         ckpt = checkpoint.Checkpointer(os.path.join(workdir, "rl"), keep=tr.keep_ckpts)
         weights = sharding.fingerprint(ctx.base if ctx.lora_cfg else state["params"])  # as loaded (or warm-started)
-        ckpt.check_model(model := {**checkpoint.model_meta(ctx.cfg), "weights_fingerprint": weights})
-        run_record.check_resume(config, ckpt, workdir)  # a resume with other settings stops here, or is recorded
+        model = {**checkpoint.model_meta(ctx.cfg), "weights_fingerprint": weights}  # a resume with other settings
+        run_record.check_resume(config, ckpt, workdir, check_model=lambda: ckpt.check_model(model))  # stops here
         state, start = _restore(ckpt, state, workdir)
         logger = slog.MetricsLogger(workdir, None if start else config.to_dict(), use_tensorboard=tr.use_tensorboard,
                                     use_wandb=tr.use_wandb, resume_step=start)  # a resume keeps config.json
         summary = Summary(os.path.join(workdir, "summary.json"))
         carry = partial_lib.Carry(workdir, k) if config.rollout.get("partial", False) else None
+        if carry is None and start:
+            partial_lib.report_dropped(workdir, start)  # partial rollouts turned off at resume: rows in flight go
         collect_fn = collect_phases if carry is None else functools.partial(partial_lib.collect_phases, carry=carry)
         with RewardPool(tr.reward or task.reward, num_workers=tr.reward_workers, timeout_s=tr.reward_timeout,
                         memory_mb=tr.reward_memory_mb) as pool, offpolicy.Pipeline(

@@ -131,6 +131,11 @@ def test_gcs_workdir_run_is_killed_resumed_and_every_file_is_in_the_bucket(emula
     assert first.poll() is None, "the first run finished before it could be killed"
     first.send_signal(signal.SIGKILL)
     first.wait()
+    # log.txt has each step's line as soon as metrics.jsonl has the step's row (issue 50: it lacked the last one);
+    # the kill may fall between a row and its line: the step before the last row's then
+    killed_rows = [json.loads(line) for line in _read(emulator, "run/metrics.jsonl").decode().splitlines()]
+    last_row = max(r["step"] for r in killed_rows if "rl/staleness" in r)
+    assert f"train step {last_row}/8" in _read(emulator, "run/log.txt").decode() or last_row == 0
     left = _objects(emulator, "run/")
     assert "run/run.lock" in left  # the killed run's lease, dead now: on this host its pid is gone
     saved_batches = {n for n in left if n.startswith("run/offpolicy/batch_")}
@@ -169,8 +174,8 @@ def test_gcs_workdir_run_is_killed_resumed_and_every_file_is_in_the_bucket(emula
 
 _LEASE = """
 import json, sys
-from sage_jax.run import guard, paths
-guard.SETTLE_S = 0.2
+from sage_jax.run import guard, lease, paths
+lease.SETTLE_S = 0.2
 workdir = sys.argv[1]
 try:
     with guard.locked(workdir):
@@ -267,3 +272,75 @@ def test_gcs_workdir_paths_append_create_and_see_other_writers(emulator, tmp_pat
     assert got["names"] == ["lock", "m.jsonl", "other", "staged"]  # no part left behind
     assert _read(emulator, "paths/staged/f.txt") == b"staged"
     assert _local_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("bucket", ["no-such-bucket", "BUCKET"])
+def test_gcs_workdir_in_a_missing_bucket_is_named_missing(emulator, tmp_path, bucket):
+    """Issue 50, item 13: "cannot write there" did not say the bucket is missing (the README's example was upper case,
+    which the emulator refuses to create)."""
+    out = subprocess.run(_train(f"gs://{bucket}/run"), cwd=tmp_path, env=_env(emulator), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: --workdir gs://{bucket}/run: the bucket gs://{bucket} does not exist"), last
+    assert ("lower case" in last) == (bucket != bucket.lower()) and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_gcs_workdir_whose_bucket_goes_away_stops_with_one_line_and_resumes(tmp_path):
+    """Issue 50, item 3: the emulator is stopped mid-run; the run retries for SAGE_STORAGE_RETRY_S, then ends with one
+    line (no traceback); the emulator back (its files on disk), the same command resumes from the last checkpoint."""
+    binary, port, root = _emulator_binary(), _free_port(), tmp_path / "store"
+    url = f"http://127.0.0.1:{port}"
+
+    def start():
+        proc = subprocess.Popen([binary, "-scheme", "http", "-backend", "filesystem", "-filesystem-root", str(root),
+                                 "-host", "127.0.0.1", "-port", str(port), "-external-url", url, "-public-host",
+                                 f"127.0.0.1:{port}", "-log-level", "warn"], cwd=tmp_path,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/storage/v1/b?project=test", timeout=2).read()
+                return proc
+            except OSError:
+                assert proc.poll() is None and time.time() < deadline, "the emulator did not start"
+                time.sleep(0.2)
+    store = start()
+    request = urllib.request.Request(f"{url}/storage/v1/b?project=test", method="POST",
+                                     data=json.dumps({"name": BUCKET}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    urllib.request.urlopen(request, timeout=10).read()
+    # a beat of 5 s: the filesystem-backed emulator can answer "not found" to a read racing an overwrite
+    env, workdir = dict(_env(url), SAGE_STORAGE_RETRY_S="10", SAGE_LEASE_BEAT_S="5"), f"gs://{BUCKET}/away"
+    cmd = _train(workdir, "--config.train.steps=40")
+    run = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 600
+        while "away/rl/checkpoints/2/commit_success.txt" not in _objects(url, "away/rl/checkpoints/2/"):
+            assert run.poll() is None and time.time() < deadline, run.communicate()[1][-3000:]
+            time.sleep(0.5)
+        store.kill()
+        store.wait()
+        t0 = time.time()
+        _, err = run.communicate(timeout=400)
+        took = time.time() - t0
+    finally:
+        if run.poll() is None:
+            run.kill()
+    # the first to give up says it: a write (exit 1), or the lease that could not be renewed in time (exit 2)
+    assert run.returncode in (1, 2), err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and f"the storage of gs://{BUCKET}/away" in last, err[-3000:]
+    assert "did not answer" in last and "rerun the same command" in last and "Traceback" not in err, err[-3000:]
+    assert took < 10 + 3 * 60, took  # the bounded retries plus gcsfs's own per request, not many minutes
+    store = start()  # back, with what it held
+    try:
+        resumed = subprocess.run(_train(workdir, "--config.train.steps=4"), cwd=tmp_path, env=env,
+                                 capture_output=True, text=True, timeout=600)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        log_txt = _read(url, "away/log.txt").decode()
+        assert "resumed from gs://" in log_txt, log_txt[-2000:]
+    finally:
+        store.kill()
+        store.wait()

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from sage_jax.run import guard as run_guard
+from sage_jax.run import guard as run_guard, lease
 
 
 def _lock(tmp_path, **fields):
@@ -77,7 +77,7 @@ def test_a_lock_of_another_host_without_a_lease_is_never_taken(tmp_path):
 
 
 def test_the_holder_renews_its_beat_and_a_lost_lease_is_not_removed(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(run_guard, "BEAT_S", 0.1)
+    monkeypatch.setattr(lease, "BEAT_S", 0.1)
     lock = tmp_path / "run.lock"
     with run_guard.locked(str(tmp_path)):
         first = json.loads(lock.read_text())
@@ -93,4 +93,101 @@ def test_the_holder_renews_its_beat_and_a_lost_lease_is_not_removed(tmp_path, mo
             time.sleep(0.5)
         assert json.loads(lock.read_text())["token"] == "theirs"
     assert json.loads(lock.read_text())["token"] == "theirs"
-    assert any("no longer this run's" in r.getMessage() for r in caplog.records)
+    assert any("lost its workdir" in r.getMessage() and "another-host" in r.getMessage() for r in caplog.records)
+
+
+# --------------------------------------------------------------------------------- fencing (issue 50, item 2)
+
+def _taken(tmp_path, beat_s: float = 30.0) -> None:
+    """Another host's run took this workdir's lock over (as after this run was paused past its lease)."""
+    _lock(tmp_path, pid=4321, host="host-b", token="theirs", beat=time.time(), beat_s=beat_s)
+
+
+def test_a_run_whose_lock_was_taken_writes_nothing_more_and_names_the_holder(tmp_path, monkeypatch):
+    from sage_jax.run import paths
+    monkeypatch.setattr(lease, "BEAT_S", 0.1)
+    with run_guard.locked(str(tmp_path)):
+        paths.append_text(str(tmp_path / "metrics.jsonl"), "step 0\n")
+        _taken(tmp_path)
+        time.sleep(0.5)  # the lease thread finds out at its next renewal
+        for write in (lambda: paths.append_text(str(tmp_path / "metrics.jsonl"), "step 1\n"),
+                      lambda: paths.write_text(str(tmp_path / "summary.json"), "{}"),
+                      lambda: paths.remove(str(tmp_path / "metrics.jsonl"))):
+            with pytest.raises(run_guard.LeaseLost, match="is now held by pid 4321 on host host-b"):
+                write()
+        with pytest.raises(run_guard.LeaseLost, match="wrote nothing more"):
+            run_guard.fence(str(tmp_path / "checkpoints"))  # what a checkpoint save asks first
+    assert (tmp_path / "metrics.jsonl").read_text() == "step 0\n" and not (tmp_path / "summary.json").exists()
+    assert json.loads((tmp_path / "run.lock").read_text())["token"] == "theirs"  # theirs stays
+
+
+def test_a_paused_run_checks_its_lease_before_its_next_write(tmp_path, monkeypatch):
+    """A run frozen (SIGSTOP) past its lease: its lease thread has not run yet when the main thread writes again;
+    the write renews first, finds the other run's lock, and is refused."""
+    from sage_jax.run import paths
+    monkeypatch.setattr(lease, "BEAT_S", 30.0)  # the lease thread does not wake during the test
+    with run_guard.locked(str(tmp_path)):
+        held = lease._leases[str(tmp_path / "run.lock")]
+        held.beat -= 4 * 30.0  # as if this process had been stopped for four beats
+        _taken(tmp_path)
+        with pytest.raises(run_guard.LeaseLost, match="host-b"):
+            paths.append_text(str(tmp_path / "metrics.jsonl"), "a late row\n")
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_a_paused_run_whose_lock_is_still_its_own_goes_on(tmp_path, monkeypatch):
+    from sage_jax.run import paths
+    monkeypatch.setattr(lease, "BEAT_S", 30.0)
+    monkeypatch.setattr(lease, "SETTLE_S", 0.05)
+    with run_guard.locked(str(tmp_path)):
+        held = lease._leases[str(tmp_path / "run.lock")]
+        held.beat -= 2.5 * 30.0  # late, but nobody took the lock: renewed (and read back) before the write
+        paths.append_text(str(tmp_path / "metrics.jsonl"), "row\n")
+        assert time.time() - held.beat < 5 and held.lost is None
+    assert (tmp_path / "metrics.jsonl").read_text() == "row\n"
+
+
+def test_a_lease_that_cannot_be_renewed_in_time_is_lost(tmp_path, monkeypatch):
+    from sage_jax.run import paths
+    monkeypatch.setattr(lease, "BEAT_S", 0.1)
+    with run_guard.locked(str(tmp_path)):
+        def unreachable(path, text):
+            raise OSError(5, "Input/output error")
+        monkeypatch.setattr(paths, "write_text", unreachable)
+        time.sleep(0.6)  # several renewals fail: past FRESH_BEATS intervals the lease is given up
+        with pytest.raises(run_guard.LeaseLost, match="could not renew the lock .* Input/output error"):
+            paths.append_text(str(tmp_path / "metrics.jsonl"), "row\n")
+
+
+def test_the_step_loop_stops_at_the_boundary_once_the_lease_is_lost(tmp_path, monkeypatch):
+    monkeypatch.setattr(lease, "BEAT_S", 0.1)
+
+    class Ckpt:
+        directory, saved = str(tmp_path), []
+
+        def latest_step(self):
+            return None
+
+    done = []
+    with run_guard.locked(str(tmp_path)):
+        stop = run_guard.StepStop("RL step", Ckpt(), lambda step: Ckpt.saved.append(step))
+        with pytest.raises(run_guard.LeaseLost, match="host-b"):
+            for step in stop.steps(0, 10):
+                done.append(step)
+                if step == 1:
+                    _taken(tmp_path)
+                    time.sleep(0.5)
+    assert done == [0, 1] and Ckpt.saved == []
+
+
+def test_a_lock_deleted_under_its_holder_is_made_again_unless_another_run_has_it(tmp_path, monkeypatch):
+    from sage_jax.run import paths
+    monkeypatch.setattr(lease, "BEAT_S", 0.1)
+    monkeypatch.setattr(lease, "SETTLE_S", 0.05)
+    with run_guard.locked(str(tmp_path)):
+        mine = json.loads((tmp_path / "run.lock").read_text())["token"]
+        (tmp_path / "run.lock").unlink()  # by hand
+        time.sleep(0.6)
+        assert json.loads((tmp_path / "run.lock").read_text())["token"] == mine
+        paths.append_text(str(tmp_path / "metrics.jsonl"), "row\n")  # still this run's workdir
+    assert not (tmp_path / "run.lock").exists()

@@ -209,3 +209,24 @@ def test_step_summary_is_logged_without_the_bar(tmp_path, capsys, root_logging):
     err = capsys.readouterr().err
     assert "train step 1/10: reward=0.25" in err and "train step 2/10" in err and "rl step 3/10" not in err
     assert "reward=0.75" in out.getvalue()
+
+
+def test_each_step_line_is_in_a_bucket_log_when_the_step_is_done(monkeypatch):
+    """Issue 50 ("Also"): after a kill -9 on gs://, log.txt lacked the last step's line that stderr had; lines were
+    held up to FLUSH_S seconds. A step's line is appended at once, as its metrics row is."""
+    import logging
+    appended = []
+    monkeypatch.setattr(slog.paths, "append_text", lambda path, text: appended.append((path, text)))
+    handler = slog._BucketLog("gs://bucket/run/log.txt")
+    handler.setLevel(logging.INFO)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        for enabled in (True, False):  # with a bar, and without (train.progress=False: the line is the console's too)
+            appended.clear()
+            progress = slog.Progress(total=3, enabled=enabled, file=io.StringIO())
+            progress.update(1, {"rl/reward": 0.5})
+            assert [p for p, t in appended if "train step 1/3" in t] == ["gs://bucket/run/log.txt"], appended
+            progress.close()
+    finally:
+        root.removeHandler(handler)

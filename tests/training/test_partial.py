@@ -218,6 +218,21 @@ def test_the_default_is_unchanged(tmp_path, monkeypatch):
     assert not any(k.startswith(("rl/carried", "rl/token_lag", "rl/dropped")) for _, k in m)
 
 
+def test_partial_rollouts_turned_off_at_resume_say_what_they_drop(k0_run, tmp_path, caplog):
+    """Issue 50, item 15: with allow_config_change, a resume with rollout.partial=False does not use the carry the
+    partial run saved; its rows are dropped with a warning that counts them, not silently."""
+    import logging
+    import shutil
+    shutil.copytree(k0_run.workdir, tmp_path / "run")
+    assert (tmp_path / "run" / "partial" / "carry_4.npz").exists()
+    config = _tiny(**{"rollout.partial": False, "train.steps": 5, "train.allow_config_change": True})
+    with caplog.at_level(logging.WARNING, logger="sage_jax"):
+        trainer.run_rl(config, str(tmp_path / "run"))
+    said = [r.getMessage() for r in caplog.records if "rollout.partial is off now" in r.getMessage()]
+    assert len(said) == 1 and "at RL step 4" in said[0] and "carry_4.npz" in said[0], said
+    assert " groups, " in said[0] and " rows (" in said[0] and "unfinished" in said[0], said[0]
+
+
 @pytest.mark.parametrize("k", [0, 1])
 def test_killed_and_resumed_equals_the_uninterrupted_run(k0_run, tmp_path, monkeypatch, k):
     config = _tiny(**{"train.off_policy_steps": k})

@@ -53,3 +53,17 @@ def test_a_lora_rank_change_names_the_rank_even_when_changes_are_allowed(tmp_pat
                        str(tmp_path))
     assert "model.lora.rank: checkpoint 2, now 4" in str(e.value) and "unreadable" not in str(e.value)
     assert sorted(int(p.name) for p in (tmp_path / "rl" / "checkpoints").iterdir()) == [1]  # nothing moved away
+
+
+def test_a_changed_seed_and_kl_estimator_are_named_not_only_the_weights_fingerprint(tmp_path):
+    """Issue 50, item 16: with random-init weights the fingerprint follows the seed; the fields changed are named."""
+    trainer.run_rl(_tiny(), str(tmp_path))
+    with pytest.raises(config_lib.ConfigError) as e:
+        trainer.run_rl(_tiny(**{"seed": 1, "loss.kl_estimator": "k1", "train.steps": 2}), str(tmp_path))
+    message = str(e.value)
+    assert "seed: checkpoint 0, now 1" in message and "loss.kl_estimator: checkpoint" in message, message
+    assert not (tmp_path / "config_changes.json").exists()
+    # allowed, the settings are recorded only once the model check passed: here it does not (other weights)
+    with pytest.raises(checkpoint.CheckpointError, match="weights_fingerprint"):
+        trainer.run_rl(_tiny(**{"seed": 1, "train.steps": 2, "train.allow_config_change": True}), str(tmp_path))
+    assert not (tmp_path / "config_changes.json").exists()
