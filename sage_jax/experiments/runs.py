@@ -38,9 +38,11 @@ IGNORED = ("model.path", "tokenizer_path", "mesh.", "sft.", "rollout.slots", "ev
 BASE_KEYS = ("model.", "data.", "eval.", "seed", "experiment.data_seed", "experiment.eval_rows")
 ENTROPY_KEYS = ("model.", "data.", "rollout.", "experiment.data_seed", "experiment.entropy_")
 # settings added after results were made, left out while they hold the value that computes what the results did
-# (so a committed result keeps its fingerprint): with rollout.partial off, oversample and max_lag are never read.
+# (so a committed result keeps its fingerprint): with rollout.partial off, oversample and max_lag are never read;
+# the decode attention's platform default is the form the results were made with.
 # tests/experiments/test_study.py re-renders both committed studies: a setting added without an entry here fails it.
-INERT = {"rollout.partial": (False, ("rollout.partial", "rollout.oversample", "rollout.max_lag"))}
+INERT = {"rollout.partial": (False, ("rollout.partial", "rollout.oversample", "rollout.max_lag")),
+         "rollout.decode_attention": ("auto", ("rollout.decode_attention",))}
 
 
 class Job(NamedTuple):
