@@ -54,7 +54,7 @@ def test_random_loss_batch_layout():
 
 
 def test_rl_step_ours():
-    rows = rl_step.bench_rl_step("tiny", prompts=1, group=2, prompt_len=16, new_tokens=8, repeats=1, trl=False)
+    rows = rl_step.bench_rl_step("tiny", prompts=1, group=2, prompt_len=16, new_tokens=8, repeats=1, peer=None)
     (row,) = rows
     assert row["impl"] == "sage_jax" and _finite_positive(rows, "tokens_per_s")
     parts = row["generate_s"] + row["reward_s"] + row["ref_s"] + row["update_s"]
