@@ -123,6 +123,9 @@ def bench_rl_steady(preset: str = "small", dtype: str = "fp32", prompts: int = 8
                                    carried_rows=h.get("rl/carried_rows", 0.0), update_s=h["time/update_s"],
                                    lag=h.get("rl/token_lag_mean", 0.0), dropped=h.get("rl/dropped_groups", 0.0),
                                    **counted.split()))
+            if counted.count:  # which programs: a measured step that compiled is left out of the times
+                print(f"step {box['step'] - 1} {name}: compiled {counted.count} ({counted.seconds:.1f} s): "
+                      + ", ".join(sorted(set(counted.names))), flush=True)
     total = steps + warmup
     per_trl = -(-total // (trl_steps + 1)) if trl_steps else total
     done = [0]

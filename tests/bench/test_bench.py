@@ -292,3 +292,36 @@ def test_rl_step_steady_runs_on_policy_and_partial_rollouts_side_by_side():
     # the ceiling's static batch: twice the mean position of a generated token (1, 2, 3: positions 0; 0, 1; 0, 1, 2)
     assert rl_steady.ceiling_length(np.array([1, 2, 3])) == round(2 * 4 / 6) == 1
     assert rl_steady.ceiling_length(np.array([512] * 4)) == 511
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["rl_step", "--new-tokens", "0", "--no-trl"], "--new-tokens"),  # was a ZeroDivisionError traceback
+    (["rl_step", "--repeats", "0", "--no-trl"], "--repeats"),  # ran, then "no median for empty data"
+    (["train_step", "--batch", "-3"], "--batch"),  # exited 0 with "rows 1"
+    (["sampler", "--new-tokens", "0", "--preset", "tiny"], "--new-tokens"),  # ran past 60 s
+    (["sampler", "--batch", "-3", "--preset", "tiny"], "--batch"),
+    (["rl_step", "--group", "0"], "--group"),
+    (["lora", "sampler", "--new-tokens", "0"], "--new-tokens"),
+])
+def test_counts_below_their_minimum_are_a_usage_error_before_any_work(argv, flag, capsys):
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and f"argument {flag}" in err and "Traceback" not in err
+    assert time.perf_counter() - start < 5
+
+
+def test_sigterm_line_of_a_bench_speaks_of_no_checkpoint(monkeypatch, capsys):
+    """A benchmark has nothing to resume: its stop line says to rerun, not "resume from the last checkpoint"."""
+    from sage_jax.bench import __main__ as bench_main
+    from sage_jax.run import cli as run_cli, guard as run_guard
+
+    def terminated():
+        raise run_guard.Terminated()
+    monkeypatch.setattr(bench_main.bench_cli, "main", terminated)
+    with pytest.raises(SystemExit) as stop:
+        run_cli.main_guard(bench_main._run)
+    err = capsys.readouterr().err
+    assert stop.value.code == 143 and "terminated (SIGTERM)" in err
+    assert "checkpoint" not in err and "rerun the command" in err
