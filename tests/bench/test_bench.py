@@ -289,6 +289,11 @@ def test_rl_step_steady_runs_on_policy_and_partial_rollouts_side_by_side():
     assert part["gen_tokens_per_s"] > 0 and part["trained_tokens_per_s"] > 0 and part["steps"] == 2
     assert part["prefill_carry_s"] >= 0 and 0 <= part["reprefill_frac"]
     assert on["gen_ceiling_vs_on_policy"] > 0 and on["trained_ceiling_vs_on_policy"] > 0
+    # every measured step counted its compilations; a step that compiled is out of the times
+    for r in (on, part):
+        assert r["timed_steps"] + r["compiled_steps"] == 2 and r["train_compiles"] >= 0 <= r["sampler_compiles"]
+        assert r["train_ms_per_token"] > 0
+    assert on["train_cost_vs_on_policy"] == 1.0 and part["train_cost_vs_on_policy"] > 0
     # the ceiling's static batch: twice the mean position of a generated token (1, 2, 3: positions 0; 0, 1; 0, 1, 2)
     assert rl_steady.ceiling_length(np.array([1, 2, 3])) == round(2 * 4 / 6) == 1
     assert rl_steady.ceiling_length(np.array([512] * 4)) == 511
