@@ -13,8 +13,9 @@ clip. What a peer harness has to set that a plain tunix run does not:
   forced length puts it (as our side and the other peers place it), and a row with no EOS runs to the limit;
 - a sampling key per step (its rollout reuses one key unless seeded).
 One step = `GRPOLearner._generate_and_compute_advantage` (generation, reference log-probs, rewards, advantages) then
-`RLCluster.update_actor`: the body of its `train` loop without the thread that feeds it batches (on one mesh tunix
-runs them in turn anyway), so that our steps run between its steps.
+`RLCluster.update_actor` on its micro-batches (micro_prompts: long completions need them to fit in memory): the body
+of its `train` loop without the thread that feeds it batches (on one mesh tunix runs them in turn anyway), so that our
+steps run between its steps.
 """
 
 from __future__ import annotations
@@ -110,9 +111,11 @@ def sampler_fn(cfg: model.ModelConfig, params, prompts_NxP: np.ndarray, new_toke
 
 
 def grpo_runner(cfg: model.ModelConfig, params, prompts_BxP: np.ndarray, group: int, lengths_N: np.ndarray,
-                beta: float, reward: Callable, eos_id: int, seed: int = 0) -> Callable[[], dict[str, float]]:
+                beta: float, reward: Callable, eos_id: int, seed: int = 0, micro: int | None = None
+                ) -> Callable[[], dict[str, float]]:
     """run() does one tunix GRPO step and returns its seconds per phase (each waits for its outputs) and the
-    compilations it made (compiles.CompileCounter). reward(completion ids) scores a completion, as on our side."""
+    compilations it made (compiles.CompileCounter). reward(completion ids) scores a completion, as on our side.
+    micro: prompts per micro-batch (default micro_prompts)."""
     import optax
     from flax import nnx
     from tunix.rl import rl_cluster as rl
@@ -120,6 +123,7 @@ def grpo_runner(cfg: model.ModelConfig, params, prompts_BxP: np.ndarray, group: 
     from tunix.rl.rollout import base_rollout
     mesh = auto_mesh()
     B, P, new_tokens = prompts_BxP.shape[0], prompts_BxP.shape[1], int(lengths_N.max())
+    micro = micro or micro_prompts(B, group, P + new_tokens)
     optim = common.OPTIM
     optimizer = optax.chain(optax.clip_by_global_norm(optim.grad_clip),
                             optax.adamw(optim.lr, b1=optim.b1, b2=optim.b2, eps=optim.eps,
@@ -127,8 +131,8 @@ def grpo_runner(cfg: model.ModelConfig, params, prompts_BxP: np.ndarray, group: 
     rollout = base_rollout.RolloutConfig(max_tokens_to_generate=new_tokens, temperature=1.0, top_p=1.0,
                                          max_prompt_length=P, kv_cache_size=P + new_tokens, eos_tokens=[eos_id])
     training = rl.RLTrainingConfig(actor_optimizer=optimizer, eval_every_n_steps=10 ** 9, max_steps=10 ** 9,
-                                   mini_batch_size=B, train_micro_batch_size=B, rollout_micro_batch_size=B,
-                                   compute_logps_micro_batch_size=B)
+                                   mini_batch_size=B, train_micro_batch_size=micro, rollout_micro_batch_size=B,
+                                   compute_logps_micro_batch_size=micro)
     cluster = rl.RLCluster(
         actor=tunix_model(cfg, params, mesh), reference=tunix_model(cfg, params, mesh),
         tokenizer=trl_peer.word_level_tokenizer(cfg.vocab_size),
@@ -155,7 +159,9 @@ def grpo_runner(cfg: model.ModelConfig, params, prompts_BxP: np.ndarray, group: 
             start = time.perf_counter()
             example = learner._generate_and_compute_advantage({"prompts": prompts})
             scored = time.perf_counter()
-            cluster.update_actor([example], None, False)
+            rows = micro * group  # its micro-batches, as its data loop would feed them: one optimizer step in all
+            cluster.update_actor([jax.tree.map(lambda x, i=i: x[i:i + rows], example)
+                                  for i in range(0, B * group, rows)], None, False)
             jax.block_until_ready(nnx.state(cluster.actor_trainer.model))
             end = time.perf_counter()
         cluster.global_steps += 1
@@ -163,6 +169,14 @@ def grpo_runner(cfg: model.ModelConfig, params, prompts_BxP: np.ndarray, group: 
                     reward_s=scored - start - parts["generate_s"] - parts["ref_s"], update_s=end - scored,
                     **counted.split())
     return run
+
+
+def micro_prompts(prompts: int, group: int, seq_len: int, budget: int = 64 * 160) -> int:
+    """Prompts per tunix micro-batch (its gradient accumulation, and its reference pass's chunk): the most that
+    divide `prompts` with at most `budget` row positions (64 rows of 32 + 128 fit this 24 GB machine; its update
+    on 64 rows of 32 + 512 asked for a 34 GB buffer), at least one prompt."""
+    fits = [m for m in range(1, prompts + 1) if prompts % m == 0 and m * group * seq_len <= budget]
+    return max(fits, default=1)
 
 
 def _timed(fn: Callable, key: str, parts: dict[str, float]) -> Callable:

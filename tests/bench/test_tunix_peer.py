@@ -83,10 +83,17 @@ def test_tunix_grpo_step_phases_and_compiles():
     cfg = common.preset_config("tiny", "fp32")
     prompts = np.random.default_rng(0).integers(2, cfg.vocab_size, (2, 16))
     run = tunix_peer.grpo_runner(cfg, common.init_params(cfg, 0), prompts, 2, np.array([8, 3, 5, 8]), 0.05,
-                                 rl_step.ids_reward, rl_step.EOS_ID)
+                                 rl_step.ids_reward, rl_step.EOS_ID, micro=1)  # 2 micro-batches, one update
     first, later = run(), [run() for _ in range(3)]
     assert first["sampler_compiles"] >= 2 and first["train_compiles"] >= 1  # its prefill, decode and train step
     assert later[-1]["compiles"] == 0  # steady state: nothing new to compile
     for r in (first, *later):
         parts = r["generate_s"] + r["ref_s"] + r["reward_s"] + r["update_s"]
         assert parts == pytest.approx(r["seconds"], rel=1e-6) and min(r["generate_s"], r["update_s"]) > 0
+
+
+def test_micro_prompts_fit_the_budget_and_divide_the_prompts():
+    assert tunix_peer.micro_prompts(8, 8, 160) == 8  # the fixed 128-token step: one micro-batch
+    assert tunix_peer.micro_prompts(8, 8, 544) == 2  # 512 new tokens: 2 prompts x 8 rows per micro-batch
+    assert tunix_peer.micro_prompts(6, 8, 544) == 2 and tunix_peer.micro_prompts(5, 8, 544) == 1
+    assert tunix_peer.micro_prompts(1, 64, 10_000) == 1  # never below one prompt
