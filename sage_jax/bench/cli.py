@@ -56,6 +56,13 @@ OWN_FLAGS: dict[str, Callable[[list[str]], list[dict]]] = {
 ALL_TRAINING = ("matmul", "train_step", "rl_step", "memory", "scaling")  # what `all` runs after the sampler
 
 
+def _shape_flags(parser: argparse.ArgumentParser, batch_help: str) -> None:
+    """--batch, --prompt-len, --repeats: counts of at least 1, the same in both parsers."""
+    parser.add_argument("--batch", type=common.count(1), default=64, help=batch_help)
+    parser.add_argument("--prompt-len", type=common.count(1), default=32)
+    parser.add_argument("--repeats", type=common.count(1), default=3, help="timed runs after the warm-up (at least 1)")
+
+
 def _json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                         help="write the rows (and their ratios) as JSON to PATH (no PATH: one line on stdout)")
@@ -66,26 +73,27 @@ def training_parser() -> argparse.ArgumentParser:
     parser.add_argument("mode", choices=list(TRAINING_MODES))
     parser.add_argument("--preset", default="tiny", choices=["tiny", "small", "both"])
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
-    parser.add_argument("--batch", type=int, default=64, help="rows = prompts x group")
-    parser.add_argument("--group", type=int, default=8, help="rl_step: samples per prompt")
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=128, help="completion length")
-    parser.add_argument("--repeats", type=int, default=3)
+    _shape_flags(parser, "rows = prompts x group")
+    parser.add_argument("--group", type=common.count(1), default=8, help="rl_step: samples per prompt")
+    parser.add_argument("--new-tokens", type=common.count(1), default=128, help="completion length")
     parser.add_argument("--ablate", action="store_true", help="train_step: also time each of ABLATIONS")
-    parser.add_argument("--no-trl", action="store_true", help="rl_step: our side only")
+    parser.add_argument("--no-trl", action="store_true", help="rl_step: our side only (as --peer none)")
+    parser.add_argument("--peer", default="trl", choices=["trl", "tunix", "none"],
+                        help="rl_step: the framework timed beside ours (tunix: pip install -r requirements-bench.txt)")
     parser.add_argument("--plot", default=None, help="scaling: write the two-panel PNG here")
     parser.add_argument("--sizes", default="1024,2048", help="matmul: square sizes")
     parser.add_argument("--workload", default="fixed", choices=list(workloads.WORKLOADS),
                         help="rl_step: every completion --new-tokens long, or long-tailed lengths up to it")
     parser.add_argument("--layout", default="packed", choices=["packed", "padded", "both"],
                         help="rl_step: our reference pass and update on packed or padded rows")
-    parser.add_argument("--steady", type=int, default=0,
+    parser.add_argument("--steady", type=common.count(0), default=0,
                         help="rl_step: N > 0 runs N consecutive steps after a warm-up, on-policy and with partial "
                         "rollouts interleaved (TRL: --repeats steps beside them, unless --no-trl)")
     parser.add_argument("--oversample", default="1.5", help="rl_step --steady: rollout.oversample (comma-separated: "
                         "one partial-rollout arm each)")
-    parser.add_argument("--max-lag", type=int, default=4, help="rl_step --steady: rollout.max_lag")
-    parser.add_argument("--warmup", type=int, default=3, help="rl_step --steady: steps left out first (compiling)")
+    parser.add_argument("--max-lag", type=common.count(0), default=4, help="rl_step --steady: rollout.max_lag")
+    parser.add_argument("--warmup", type=common.count(0), default=3,
+                        help="rl_step --steady: steps left out first (compiling)")
     _json_flag(parser)
     return parser
 
@@ -95,14 +103,16 @@ def sampler_parser() -> argparse.ArgumentParser:
     parser.add_argument("mode", choices=[*SAMPLER_MODES, *TRAINING_MODES, *OWN_FLAGS, "all"])
     parser.add_argument("--preset", default="both", choices=["tiny", "small", "both"])
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=None, help="max new tokens (default 128; longtail 512)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--hf-threads", type=int, default=None, help="torch threads (default: all cores)")
+    _shape_flags(parser, "rows = prompts x group")
+    parser.add_argument("--new-tokens", type=common.count(1), default=None,
+                        help="max new tokens (default 128; longtail 512)")
+    parser.add_argument("--hf-threads", type=common.count(1), default=None, help="torch threads (default: all cores)")
     parser.add_argument("--workload", default="fixed", choices=list(workloads.WORKLOADS),
                         help="sampler: completion lengths forced on both sides (see sage_jax.bench.workloads)")
-    parser.add_argument("--group", type=int, default=None, help="sampler: samples per prompt (default 1; longtail 8)")
+    parser.add_argument("--group", type=common.count(1), default=None,
+                        help="sampler: samples per prompt (default 1; longtail 8)")
+    parser.add_argument("--peer", default="transformers", choices=["transformers", "tunix"],
+                        help="sampler: the sampler timed beside ours (tunix: pip install -r requirements-bench.txt)")
     parser.add_argument("--model", default=None, metavar="DIR",
                         help="sampler: time this HF model directory (both sides load it) instead of the presets")
     parser.add_argument("--slots", default="", help="sampler: also time these numbers of decode slots, e.g. 32,16 "
@@ -115,7 +125,11 @@ def sampler_parser() -> argparse.ArgumentParser:
 
 
 def run_training_mode(argv: list[str]) -> list[dict]:
-    args = training_parser().parse_args(argv)
+    parser = training_parser()
+    args = parser.parse_args(argv)
+    args.peer = None if args.no_trl or args.peer == "none" else args.peer
+    if args.peer == "tunix" and (args.mode != "rl_step" or args.steady):
+        parser.error("--peer tunix: only rl_step (without --steady) and sampler time tunix")
     rows = TRAINING_MODES[args.mode](args)
     if args.json:
         common.write_json(args.json, {args.mode: rows})

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -11,6 +13,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from sage_jax.bench import compiles
 from sage_jax.run import config as config_lib
 from sage_jax.models import decoder as model
 from sage_jax.rl import guides, objectives
@@ -23,19 +26,45 @@ SAGE_LOSS = objectives.LossConfig(guide=guides.GuideConfig(name="branch"))
 OPTIM = config_lib.load(str(REPO / "configs" / "base.py")).optim
 
 
-def interleaved_seconds(fns: dict[Any, Callable[[], Any]], repeats: int) -> dict[Any, list[float]]:
+def count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= minimum (a bad one is argparse's one-line usage error, exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        return value
+    parse.__name__ = f"integer >= {minimum}"  # argparse names the type in its message
+    return parse
+
+
+def interleaved_seconds(fns: dict[Any, Callable[[], Any]], repeats: int,
+                        compiled: dict[Any, list[int]] | None = None) -> dict[Any, list[float]]:
     """Seconds of each fn per round: one warm-up call each, then `repeats` rounds calling each once. Each round
-    starts one further down the list, so no fn always runs first (or right after the same neighbour)."""
+    starts one further down the list, so no fn always runs first (or right after the same neighbour). compiled: if
+    given, gets per fn the XLA compilations of each timed call (compiles.CompileCounter), so that a caller can leave
+    out the calls that compiled."""
     for fn in fns.values():
         jax.block_until_ready(fn())
     names = list(fns)
     times: dict[Any, list[float]] = {name: [] for name in fns}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            start = time.perf_counter()
-            jax.block_until_ready(fns[name]())
-            times[name].append(time.perf_counter() - start)
+            with compiles.CompileCounter() as counted:
+                start = time.perf_counter()
+                jax.block_until_ready(fns[name]())
+                times[name].append(time.perf_counter() - start)
+            if compiled is not None:
+                compiled.setdefault(name, []).append(counted.count)
     return times
+
+
+def uncompiled_median(seconds: list[float], compiled: list[int]) -> float:
+    """The median of the calls that compiled nothing (all calls when every one compiled)."""
+    clean = [s for s, c in zip(seconds, compiled) if not c]
+    return statistics.median(clean or seconds)
 
 
 def matmul_peak_fn(dtype: str, size: int = 2048, calls: int = 4) -> tuple[Callable[[], Any], float]:

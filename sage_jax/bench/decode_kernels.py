@@ -111,7 +111,7 @@ def main(argv: list[str]) -> list[dict]:
     """argv: ["decode_kernels", flags...]. Prints its three parts as it goes; returns no table rows."""
     import torch
     parser = argparse.ArgumentParser(prog="python -m sage_jax.bench decode_kernels", description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=common.count(1), default=3)
     args = parser.parse_args(argv[1:])
     print(f"torch threads {torch.get_num_threads()}, {os.cpu_count()} cores, jax {jax.__version__}", flush=True)
     for _, cfg, params, _ in sampler_bench._models(("small",), "fp32", 0, None):

@@ -84,7 +84,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("mode", choices=["gpu"])
     p.add_argument("--preset", default="qwen2.5-0.5b")
     p.add_argument("--out", default="gpu_bench.json")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=common.count(1), default=3)
     p.add_argument("--quick", action="store_true", help="tiny shapes (for a CPU smoke run)")
     p.add_argument("--decode-blocks", default="", help="also time the sampler shapes with the decode attention in "
                    "blocks of these many cache slots (0: one pass), e.g. 64,256,640,0")

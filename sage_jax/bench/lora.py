@@ -84,12 +84,12 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m sage_jax.bench lora", description=__doc__.split("\n")[0])
     p.add_argument("mode", choices=["lora"])
     p.add_argument("what", choices=["memory", "sampler"])
-    p.add_argument("--devices", type=int, default=32, help="memory: devices the state is sharded over")
+    p.add_argument("--devices", type=common.count(1), default=32, help="memory: devices the state is sharded over")
     p.add_argument("--preset", default="small", choices=["tiny", "small"], help="sampler: the model shape")
-    p.add_argument("--repeats", type=int, default=9)
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--group", type=int, default=8)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=common.count(1), default=9)
+    p.add_argument("--prompts", type=common.count(1), default=4)
+    p.add_argument("--group", type=common.count(1), default=8)
+    p.add_argument("--new-tokens", type=common.count(1), default=64)
     p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write the rows as JSON to PATH (no PATH: one line on stdout)")
     return p

@@ -18,6 +18,8 @@ import statistics
 import subprocess
 import sys
 
+from sage_jax.bench import common
+
 KEYS = ("time/step_s", "time/rollout_s", "time/collect_s", "time/score_s", "time/hidden_s", "time/batch_s",
         "time/ref_s", "time/update_s", "rl/staleness", "rl/gen_len")
 
@@ -50,7 +52,7 @@ def main(argv: list[str]) -> list[dict]:
     parser = argparse.ArgumentParser(prog="python -m sage_jax.bench offpolicy", description=__doc__.split("\n")[0])
     parser.add_argument("--tokenizer", required=True, help="an HF tokenizer directory")
     parser.add_argument("--out", default="/tmp/sage_offpolicy", help="the workdirs' prefix (PREFIX_k0, PREFIX_k1)")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=common.count(1), default=8)
     args = parser.parse_args(argv[1:])
     if args.steps < 4:
         parser.error("--steps must be at least 4 (steps 0-1 compile)")

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sage_jax.bench import common, trl_peer, workloads
+from sage_jax.bench import common, compiles, trl_peer, workloads
 from sage_jax.bench.common import print_table
 from sage_jax.bench.rl_step import EOS_ID, forced_rollout, ids_reward, rl_config
 from sage_jax.models import decoder as model, sharding
@@ -96,8 +96,9 @@ def bench_rl_steady(preset: str = "small", dtype: str = "fp32", prompts: int = 8
     with them. Per impl (medians over the measured steps): generation-phase tokens/s (tokens drawn / sampling
     seconds), trained tokens/s (completion tokens trained / step seconds), and for partial rollouts the carried rows,
     token lag and the re-prefill's share. The warm-up steps compile the programs: partial rollouts' calls prefill
-    carried rows in prompt buckets that grow with them (a handful of programs, each compiled once per run);
-    `compiled` counts the measured steps that still compiled a sampler program."""
+    carried rows in prompt buckets that grow with them (a handful of programs, each compiled once per run); a measured
+    step that still compiled (sampler, train step or anything else: compiles.CompileCounter) is left out of the times
+    and counted in compiled_steps, its sampler and train-step compilations in sampler_compiles / train_compiles."""
     cfg = common.preset_config(preset, dtype)
     params = common.init_params(cfg, seed)
     B, N = prompts, prompts * group
@@ -112,18 +113,19 @@ def bench_rl_steady(preset: str = "small", dtype: str = "fp32", prompts: int = 8
 
     def one_step_each() -> None:
         for name, (ctx, box, mesh, rules) in ours.items():
-            before = sampler.compile_count()
-            with jax.set_mesh(mesh), sharding.use_rules(rules):
+            with jax.set_mesh(mesh), sharding.use_rules(rules), compiles.CompileCounter() as counted:
                 out = trainer.rl_step(ctx, box["state"], box["step"], collects[name])
             box["state"], box["step"] = out.state, box["step"] + 1
             h = out.host
             trained = float(out.rollouts["lengths"].sum())
-            compiled = sampler.compile_count() > before
             runs[name].append(dict(seconds=h["time/step_s"], gen_s=h["bench/gen_s"], drawn=h["bench/drawn"],
                                    trained=trained, carried_tokens=h["bench/carried_tokens"],
-                                   carried_rows=h.get("rl/carried_rows", 0.0),
+                                   carried_rows=h.get("rl/carried_rows", 0.0), update_s=h["time/update_s"],
                                    lag=h.get("rl/token_lag_mean", 0.0), dropped=h.get("rl/dropped_groups", 0.0),
-                                   compiled=float(compiled)))
+                                   **counted.split()))
+            if counted.count:  # which programs: a measured step that compiled is left out of the times
+                print(f"step {box['step'] - 1} {name}: compiled {counted.count} ({counted.seconds:.1f} s): "
+                      + ", ".join(sorted(set(counted.names))), flush=True)
     total = steps + warmup
     per_trl = -(-total // (trl_steps + 1)) if trl_steps else total
     done = [0]
@@ -155,7 +157,9 @@ def _print(out, preset, B, group, workload, new_tokens, oversample, max_lag, ste
                       ("gen_tokens_per_s", ".1f"), ("trained_tokens_per_s", ".1f"), ("gen_vs_on_policy", ".2f"),
                       ("trained_vs_on_policy", ".2f"), ("trained_vs_trl", ".2f"), ("carried_rows", ".1f"),
                       ("token_lag", ".2f"), ("dropped_groups", ".0f"), ("reprefill_frac", ".3f"),
-                      ("prefill_share", ".3f"), ("compiled", ".0f"), ("full_width_tokens_per_s", ".1f"),
+                      ("prefill_share", ".3f"), ("train_ms_per_token", ".3f"), ("train_cost_vs_on_policy", ".2f"),
+                      ("timed_steps", ".0f"), ("compiled_steps", ".0f"), ("sampler_compiles", ".0f"),
+                      ("train_compiles", ".0f"), ("full_width_tokens_per_s", ".1f"),
                       ("gen_ceiling_vs_on_policy", ".2f"), ("trained_ceiling_vs_on_policy", ".2f")])
     print(f"{preset} preset, {B} prompts x {group} samples per step, {workload} lengths up to {new_tokens}; partial: "
           f"oversample {', '.join(f'{o:g}' for o in oversample)}, max_lag {max_lag}; medians / sums over {steps} "
@@ -185,19 +189,25 @@ def _arms(preset, dtype, params, prompt_stream, group, lengths, B, new_tokens, s
 
 def _summarize(runs, warmup, preset, workload, B, group, new_tokens, ceiling, ours, collects, seed, trl_runs,
                trl_lengths) -> list[dict]:
-    """One row per arm (medians and sums over the measured steps), the ratios, TRL's row."""
+    """One row per arm (medians and sums over the measured steps: times over those that compiled nothing, counts over
+    all), the ratios, TRL's row. train_ms_per_token: the step's time outside generation (rewards, reference pass,
+    update, the carry's bookkeeping) per trained token."""
     out = []
-    for name, rs in runs.items():
-        rs = rs[warmup:]  # the warm-up steps (compilation) left out
+    for name, all_rs in runs.items():
+        rs, counted = compiles.timed_steps(all_rs, warmup)  # the warm-up steps and any step that compiled left out
         med = lambda k, rs=rs: statistics.median(r[k] for r in rs)
+        measured = all_rs[warmup:]
         out.append(dict(preset=preset, impl=name, workload=workload, prompts=B, group=group, new_tokens=new_tokens,
-                        steps=len(rs), seconds=med("seconds"), gen_s=med("gen_s"),
+                        steps=len(measured), seconds=med("seconds"), gen_s=med("gen_s"), update_s=med("update_s"),
                         gen_tokens_per_s=sum(r["drawn"] for r in rs) / sum(r["gen_s"] for r in rs),
                         trained_tokens_per_s=sum(r["trained"] for r in rs) / sum(r["seconds"] for r in rs),
-                        carried_rows=statistics.mean(r["carried_rows"] for r in rs),
-                        token_lag=statistics.mean(r["lag"] for r in rs),
-                        dropped_groups=sum(r["dropped"] for r in rs), compiled=sum(r["compiled"] for r in rs),
-                        reprefill_frac=sum(r["carried_tokens"] for r in rs) / sum(r["drawn"] for r in rs)))
+                        train_ms_per_token=1e3 * sum(r["seconds"] - r["gen_s"] for r in rs) / sum(
+                            r["trained"] for r in rs),
+                        carried_rows=statistics.mean(r["carried_rows"] for r in measured),
+                        token_lag=statistics.mean(r["lag"] for r in measured),
+                        dropped_groups=sum(r["dropped"] for r in measured), **counted,
+                        **{k: sum(r[k] for r in measured) for k in ("sampler_compiles", "train_compiles")},
+                        reprefill_frac=sum(r["carried_tokens"] for r in measured) / sum(r["drawn"] for r in measured)))
     for part in out[1:]:  # what recomputing the carried rows' caches costs a step: their prefill alone
         part["prefill_carry_s"] = _prefill_seconds(ours[part["impl"]], collects[part["impl"]].carry, group,
                                                    new_tokens, seed)
@@ -205,7 +215,7 @@ def _summarize(runs, warmup, preset, workload, B, group, new_tokens, ceiling, ou
     # the generation ceiling: every decode step at the full width with every row live (a static batch of the step's
     # rows, all of one length), per token, its attention as long as the workload's average token's; and the trained
     # tokens/s of the on-policy steps had their generation run at that rate
-    on = runs["sage_jax"][warmup:]
+    on = compiles.timed_steps(runs["sage_jax"], warmup)[0]
     out[0]["full_width_tokens_per_s"] = 1.0 / ceiling
     out[0]["gen_ceiling_vs_on_policy"] = (1.0 / ceiling) / out[0]["gen_tokens_per_s"]
     out[0]["trained_ceiling_vs_on_policy"] = sum(r["seconds"] for r in on) / sum(
@@ -213,6 +223,7 @@ def _summarize(runs, warmup, preset, workload, B, group, new_tokens, ceiling, ou
     for r in out:
         r["gen_vs_on_policy"] = r["gen_tokens_per_s"] / out[0]["gen_tokens_per_s"]
         r["trained_vs_on_policy"] = r["trained_tokens_per_s"] / out[0]["trained_tokens_per_s"]
+        r["train_cost_vs_on_policy"] = r["train_ms_per_token"] / out[0]["train_ms_per_token"]
     if trl_runs:
         trl_rs = trl_runs[1:] or trl_runs
         trl_tok = float(trl_lengths.sum()) / statistics.median(r["seconds"] for r in trl_rs)
@@ -270,6 +281,6 @@ def rl_steady_mode(args) -> list[dict]:
         raise ValueError(f"--batch {args.batch} rows must be a multiple of --group {args.group}")
     return [r for p in common.presets(args.preset) for r in bench_rl_steady(
         p, args.dtype, args.batch // args.group, args.group, args.prompt_len, args.new_tokens, steps=args.steady,
-        trl_steps=0 if args.no_trl else args.repeats, workload=args.workload,
+        trl_steps=0 if args.peer is None else args.repeats, workload=args.workload,
         oversample=tuple(float(o) for o in str(args.oversample).split(",")),
         max_lag=args.max_lag, warmup=args.warmup)]

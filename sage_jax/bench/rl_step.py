@@ -1,13 +1,17 @@
-"""One RL step, `trainer.rl_step` as `run_rl` runs it, against TRL's GRPOTrainer on the same weights.
+"""One RL step, `trainer.rl_step` as `run_rl` runs it, against a peer's on the same weights: TRL's GRPOTrainer
+(`--peer trl`, the default) or tunix's GRPOLearner (`--peer tunix`, tunix_peer.py).
 
   python -m sage_jax.bench rl_step --preset small
   python -m sage_jax.bench rl_step --preset small --new-tokens 512 --workload longtail --layout both
+  python -m sage_jax.bench rl_step --preset small --peer tunix --workload longtail --new-tokens 512
 
 Both sides generate the same completion lengths (workload "fixed": every row runs to --new-tokens; "longtail":
 workloads.longtail_lengths), forced so that the step's work does not depend on what the random weights sample: our
 CollectFn stops each row's sampling at its forced length (as the trainer's rows stop at EOS) and ends it with EOS
-unless it runs to the limit, TRL's generate is forced by a logits processor. Only tokens before EOS count as generated. The steps are interleaved (ours after each
-TRL step, then the matmul peak under the same load) and the first step of each side is left out as warm-up.
+unless it runs to the limit, TRL's generate is forced by a logits processor, tunix's sampler by a wrapped sampling
+step. Only tokens before EOS count as generated. The steps are interleaved (ours after each peer step, then the matmul
+peak under the same load); the first step of each side is left out as warm-up, and so is any later step that compiled
+(compiles.py: a step that compiled is not a timing; the table counts them).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from sage_jax.bench import workloads
 from sage_jax.models import decoder as model, sharding
 from sage_jax.sampling import sampler
 from sage_jax.training import trainer
-from sage_jax.bench import common, flops, trl_peer
+from sage_jax.bench import common, compiles, flops, trl_peer
 from sage_jax.bench.common import print_table
 
 EOS_ID = 1  # trl_peer.word_level_tokenizer's "<eos>": the token both sides end a forced-length completion with
@@ -103,7 +107,7 @@ def sage_rl_runner(preset: str, dtype: str, params, prompts_BxP: np.ndarray, gro
     def run() -> dict[str, float]:
         # rl_step's own phase timings (each waits for its outputs); the collect's marks split generation from scoring
         marks.clear()
-        with jax.set_mesh(mesh), sharding.use_rules(rules):
+        with jax.set_mesh(mesh), sharding.use_rules(rules), compiles.CompileCounter() as counted:
             out = trainer.rl_step(ctx, box["state"], box["step"], collect)
         box["state"], box["step"] = out.state, box["step"] + 1
         sampled, scored = marks
@@ -111,65 +115,81 @@ def sage_rl_runner(preset: str, dtype: str, params, prompts_BxP: np.ndarray, gro
         return dict(seconds=h["time/step_s"], generate_s=h["time/rollout_s"] - (scored - sampled),
                     reward_s=scored - sampled,
                     ref_s=h["time/batch_s"] + h["time/ref_s"] + h.get("time/old_s", 0.0), batch_s=h["time/batch_s"],
-                    update_s=h["time/update_s"], padded_frac=h["perf/padded_frac"])
+                    update_s=h["time/update_s"], padded_frac=h["perf/padded_frac"], **counted.split())
     return run
 
 
+PEERS = ("trl", "tunix")
+
+
 def _interleaved_steps(preset: str, dtype: str, params, prompts_BxP: np.ndarray, group: int, lengths_N: np.ndarray,
-                       beta: float, repeats: int, trl: bool, seed: int, layouts: tuple[str, ...]):
-    """(per-step phase seconds of each impl, the matmul peak's (seconds after each step, FLOPs), TRL's realised
-    lengths per step)."""
+                       beta: float, repeats: int, peer: str | None, seed: int, layouts: tuple[str, ...]):
+    """(per-step phase seconds of each impl, the matmul peak's (seconds after each step, FLOPs), the peer's realised
+    lengths per step). Each peer step is followed by one step of each of ours and the matmul peak."""
     ours = {"sage_jax" if layout == "packed" else "sage_jax_padded": sage_rl_runner(
         preset, dtype, params, prompts_BxP, group, lengths_N, beta, seed, packed=layout == "packed")
         for layout in layouts}
     peak_fn, peak_flops = common.matmul_peak_fn(dtype)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in ours}
     peak_s: list[float] = []
-    trl_lengths: list = []
+    peer_lengths: list = []
 
-    def after_trl_step() -> None:  # our steps, then the matmul peak under the same load
+    def after_peer_step() -> None:  # our steps, then the matmul peak under the same load
         for name, run in ours.items():
             runs[name].append(run())
         start = time.perf_counter()
         jax.block_until_ready(peak_fn())
         peak_s.append(time.perf_counter() - start)
 
-    if trl:
+    if peer == "trl":
         with tempfile.TemporaryDirectory() as model_dir:
             hf_cfg = common.preset_config(preset, "fp32")  # TRL runs in fp32
             model.save_hf(model_dir, hf_cfg, params)
             runs["trl"] = trl_peer.trl_interleaved(model_dir, hf_cfg.vocab_size, prompts_BxP, group, lengths_N, beta,
-                                                   repeats + 1, after_trl_step, ids_reward, EOS_ID, seed, trl_lengths)
+                                                   repeats + 1, after_peer_step, ids_reward, EOS_ID, seed,
+                                                   peer_lengths)
+    elif peer == "tunix":
+        from sage_jax.bench import tunix_peer
+        tunix_run = tunix_peer.grpo_runner(common.preset_config(preset, dtype), params, prompts_BxP, group,
+                                           lengths_N, beta, ids_reward, EOS_ID, seed)
+        runs["tunix"] = []
+        for _ in range(repeats + 1):
+            runs["tunix"].append(tunix_run())
+            after_peer_step()
     else:
         for _ in range(repeats + 1):
-            after_trl_step()
-    return runs, (peak_s, peak_flops), trl_lengths
+            after_peer_step()
+    return runs, (peak_s, peak_flops), peer_lengths
 
 
 def bench_rl_step(preset: str = "tiny", dtype: str = "fp32", prompts: int = 8, group: int = 8, prompt_len: int = 32,
-                  new_tokens: int = 128, beta: float = 0.05, repeats: int = 3, trl: bool = True, seed: int = 0,
-                  workload: str = "fixed", layouts: tuple[str, ...] = ("packed",)) -> list[dict]:
+                  new_tokens: int = 128, beta: float = 0.05, repeats: int = 3, peer: str | None = "trl",
+                  seed: int = 0, workload: str = "fixed", layouts: tuple[str, ...] = ("packed",)) -> list[dict]:
     """Generated tokens/s (before EOS) of one RL step: ours for each of `layouts` (the reference pass and update on
-    packed rows, impl "sage_jax", or on padded rows, "sage_jax_padded") and TRL's (torch, CPU, fp32)."""
+    packed rows, impl "sage_jax", or on padded rows, "sage_jax_padded") and the peer's: TRL's (torch, CPU, fp32) or
+    tunix's (JAX, our dtype), or none. Medians over the steps after the first that compiled nothing
+    (compiles.timed_steps); compiled_steps counts those left out."""
+    if peer not in (*PEERS, None):
+        raise ValueError(f"unknown peer {peer!r}; choose one of {list(PEERS)} or none")
     cfg = common.preset_config(preset, dtype)
     params = common.init_params(cfg, seed)
     prompts_BxP = np.random.default_rng(seed).integers(2, cfg.vocab_size, (prompts, prompt_len))
     lengths_N = workloads.workload_lengths(workload, prompts * group, new_tokens, seed)
     load_before = common.load_average()
     runs, (peak_s, peak_flops), trl_lengths = _interleaved_steps(preset, dtype, params, prompts_BxP, group, lengths_N,
-                                                                 beta, repeats, trl, seed, layouts)
+                                                                 beta, repeats, peer, seed, layouts)
     peak = peak_flops / statistics.median(peak_s[1:] or peak_s)
     step_flops = flops.rl_step_flops(cfg, prompts, group, prompt_len, new_tokens) if workload == "fixed" else None
     tokens = int((lengths_N - (lengths_N < new_tokens)).sum())  # generated tokens before EOS
     out = []
     for impl, rs in runs.items():
-        rs = rs[1:] or rs  # the warm-up step (compilation, first-call set-up) is left out
-        row = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        counted, steps = compiles.timed_steps(rs) if "compiles" in rs[0] else (rs[1:] or rs, {})
+        row = compiles.median_row([{k: v for k, v in r.items() if "compile" not in k} for r in counted])
         realised = trl_lengths[-1] if impl == "trl" and trl_lengths else lengths_N  # one step's rows, EOS included
         lengths = {k: v for k, v in workloads.length_quantiles(realised, new_tokens).items() if k != "tokens"}
         out.append(dict(preset=preset, dtype=dtype if impl != "trl" else "fp32", impl=impl, workload=workload,
                         prompts=prompts, group=group, new_tokens=new_tokens, tokens_per_s=tokens / row["seconds"],
-                        **lengths, **row))
+                        **lengths, **row, **steps, **_compile_sums(rs)))
         if step_flops:
             out[-1].update(model_gflops=step_flops / 1e9, gflops_per_s=step_flops / row["seconds"] / 1e9,
                            peak_gflops_per_s=peak / 1e9, frac_of_peak=step_flops / row["seconds"] / peak,
@@ -179,11 +199,20 @@ def bench_rl_step(preset: str = "tiny", dtype: str = "fp32", prompts: int = 8, g
     return out
 
 
+def _compile_sums(steps: list[dict]) -> dict[str, float]:
+    """The compilations of the steps after the first (the warm-up's are expected): all, the sampler's, the train
+    step's."""
+    after = steps[1:]
+    return {k: sum(s.get(k, 0.0) for s in after) for k in ("compiles", "sampler_compiles", "train_compiles")
+            if after and k in after[0]}
+
+
 def _add_ratios(out: list[dict], with_flops: bool) -> None:
     by = {r["impl"]: r for r in out}
     for r in out:
-        if "trl" in by and r["impl"] != "trl":
-            r["vs_trl"] = r["tokens_per_s"] / by["trl"]["tokens_per_s"]
+        for peer in PEERS:
+            if peer in by and r["impl"] not in PEERS:
+                r[f"vs_{peer}"] = r["tokens_per_s"] / by[peer]["tokens_per_s"]
         if r["impl"] == "sage_jax" and "sage_jax_padded" in by:
             r["vs_padded"] = r["tokens_per_s"] / by["sage_jax_padded"]["tokens_per_s"]
     if with_flops and "trl" in by:
@@ -194,12 +223,16 @@ def _print_rl_table(out: list[dict], preset: str, prompts: int, group: int, load
                     step_flops: float | None) -> None:
     print_table(out, [("impl", ""), ("workload", ""), ("new_tokens", "d"), ("len_p50", ".0f"), ("len_p90", ".0f"),
                       ("len_max", ".0f"), ("padded_frac", ".3f"), ("seconds", ".2f"), ("tokens_per_s", ".1f"),
-                      ("vs_trl", ".2f"), ("vs_padded", ".2f"), ("generate_s", ".2f"), ("reward_s", ".3f"),
+                      ("vs_trl", ".2f"), ("vs_tunix", ".2f"), ("vs_padded", ".2f"), ("generate_s", ".2f"),
+                      ("reward_s", ".3f"),
                       ("ref_s", ".2f"), ("reward_ref_s", ".2f"), ("update_s", ".2f"), ("frac_of_peak", ".2f"),
-                      ("at_peak_s", ".2f"), ("ceiling_vs_trl", ".2f")])
+                      ("at_peak_s", ".2f"), ("ceiling_vs_trl", ".2f"), ("timed_steps", ".0f"),
+                      ("compiled_steps", ".0f"), ("sampler_compiles", ".0f"), ("train_compiles", ".0f")])
     print(f"{preset} preset, {prompts} prompts x {group} samples; padded_frac: share of the positions the reference "
           "pass and the update compute on that hold no token; tokens: generated before EOS; 1-min load average "
-          f"{load_before:.1f} before, {common.load_average():.1f} after ({os.cpu_count()} cores)")
+          f"{load_before:.1f} before, {common.load_average():.1f} after ({os.cpu_count()} cores); timed_steps: the "
+          "steps after the first that compiled nothing (the medians' steps), compiled_steps: those that compiled and "
+          "are left out; sampler_compiles / train_compiles: their sampler and train-step compilations")
     if step_flops:
         print(f"at_peak_s: the step's model FLOPs ({step_flops / 1e9:.0f} GFLOP: sampling, reference forward, policy "
               "forward + backward) at the jitted matmul peak timed after each step; ceiling_vs_trl: TRL's step over "
@@ -210,7 +243,10 @@ def rl_step_mode(args) -> list[dict]:
     if args.batch % args.group:
         raise ValueError(f"--batch {args.batch} rows must be a multiple of --group {args.group} (rows = prompts x "
                          "group)")
+    if args.peer == "tunix":
+        from sage_jax.bench import tunix_peer
+        tunix_peer.require_tunix()
     layouts = ("packed", "padded") if args.layout == "both" else (args.layout,)
     return [r for p in common.presets(args.preset) for r in bench_rl_step(
         p, args.dtype, args.batch // args.group, args.group, args.prompt_len, args.new_tokens, repeats=args.repeats,
-        trl=not args.no_trl, workload=args.workload, layouts=layouts)]
+        peer=args.peer, workload=args.workload, layouts=layouts)]

@@ -1,8 +1,9 @@
-"""The sampler against transformers' `generate`.
+"""The sampler against transformers' `generate` (or, with `--peer tunix`, tunix's Sampler: tunix_peer.py).
 
   python -m sage_jax.bench sampler --preset both --dtype fp32 --batch 64
   python -m sage_jax.bench sampler --workload longtail --preset small --json docs/results/sampler/longtail.json
   python -m sage_jax.bench sampler --model /tmp/smollm2 --workload longtail --batch 16 --group 4   # a real HF model
+  python -m sage_jax.bench sampler --preset small --workload longtail --peer tunix
 
 This sampler's tokens/s against transformers' `generate` (torch, CPU) on the same random weights, batch,
 prompt length and forced completion lengths (greedy): `--workload fixed` runs every row to --new-tokens (EOS
@@ -206,7 +207,8 @@ def schedule_ceiling(cfg, params, prompt_len: int, new_tokens: int, lengths_N: n
 def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 64, prompt_len: int = 32,
                   new_tokens: int = 128, repeats: int = 3, latency: bool = True, seed: int = 0,
                   hf_threads: int | None = None, workload: str = "fixed", group: int = 1,
-                  slots: tuple[int, ...] = (), model_dir: str | None = None, ceiling: bool = False) -> list[dict]:
+                  slots: tuple[int, ...] = (), model_dir: str | None = None, ceiling: bool = False,
+                  peer: str = "transformers") -> list[dict]:
     """Rows of {preset, batch, impl, tokens_per_s, seconds, ...}; also prints a table with the ratios last.
 
     batch rows = batch / group prompts x group samples (transformers gets each prompt repeated group times). The
@@ -214,7 +216,10 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
     workloads.longtail_lengths on both sides. tokens = the tokens each side generated before EOS (last run).
     slots: also time this sampler with each of these numbers of decode slots (rows `sage_jax_slotsS`; the
     sage_jax row has one slot per row). ceiling (long tail): add the schedule_ceiling row, the decode at exactly
-    each step's live rows from static-batch step costs measured in the same run (the prefill not counted)."""
+    each step's live rows from static-batch step costs measured in the same run (the prefill not counted).
+    peer: the sampler beside ours, "transformers" or "tunix" (tunix_peer.sampler_fn: greedy, the same forced lengths).
+    Each time is the median of the timed runs that compiled nothing (common.uncompiled_median); compiled_runs counts
+    the runs of ours that did and were left out."""
     if batch % group:
         raise ValueError(f"--batch {batch} rows must be a multiple of --group {group} (rows = prompts x group)")
     rows = []
@@ -228,16 +233,17 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
             lengths = workloads.workload_lengths(workload, b, new_tokens, seed)
             forced = None if workload == "fixed" else lengths
             sides = {"sage_jax": _sage_generate_fn(cfg, params, prompts, new_tokens, g, forced),
-                     "transformers": _hf_generate_fn(tmp, dtype, np.repeat(prompts, g, axis=0), new_tokens,
-                                                     hf_threads, forced)}
+                     peer: _peer_generate_fn(peer, cfg, params, tmp, dtype, np.repeat(prompts, g, axis=0),
+                                             new_tokens, hf_threads, forced)}
             for n in slots if b == batch else ():
                 sides[f"sage_jax_slots{n}"] = _sage_generate_fn(cfg, params, prompts, new_tokens, g, forced, n)
             fns = {k: fn for k, (fn, _) in sides.items()}
             if workload == "fixed":
                 fns[MATMULS_ONLY], floor_flops = decode_matmuls_fn(cfg, params, b, new_tokens)
                 fns[ATTENTION_ONLY] = decode_attention_fn(cfg, b, prompt_len, new_tokens)
-            compiled_before = sampler_lib.compile_count()
-            seconds = {k: statistics.median(t) for k, t in common.interleaved_seconds(fns, repeats).items()}
+            compiled_before, per_run = sampler_lib.compile_count(), {}
+            seconds = {k: common.uncompiled_median(t, per_run[k])
+                       for k, t in common.interleaved_seconds(fns, repeats, per_run).items()}
             if workload == "fixed":
                 seconds[MATMULS_ATTENTION] = seconds[MATMULS_ONLY] + seconds[ATTENTION_ONLY]
             compiled = sampler_lib.compile_count() - compiled_before
@@ -269,12 +275,22 @@ def bench_sampler(presets=("tiny", "small"), dtype: str = "fp32", batch: int = 6
                 ours["frac_of_matmuls_attention"] = ours["frac_of_peak"] / ceiling["frac_of_peak"]
             ours["programs_compiled"] = compiled
             ours["loops_per_step"] = sides["sage_jax"][1]["loops_per_step"]
-            ours["vs_transformers"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
+            ours["compiled_runs"] = sum(c > 0 for c in per_run["sage_jax"])
+            ours[f"vs_{peer}"] = ours["tokens_per_s"] / theirs["tokens_per_s"]
             rows += group_rows
     _print_sampler_table(rows)
     print(f"sampler programs compiled in this run: {sampler_lib.compile_count()}; 1-min load average "
           f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after ({os.cpu_count()} cores)")
     return rows
+
+
+def _peer_generate_fn(peer: str, cfg, params, model_dir: str, dtype: str, prompts_NxT: np.ndarray, new_tokens: int,
+                      threads: int | None, lengths_N: np.ndarray | None) -> tuple[Callable[[], None], dict]:
+    """The peer's (run, realised): transformers' generate from model_dir, or tunix's Sampler on params."""
+    if peer == "tunix":
+        from sage_jax.bench import tunix_peer
+        return tunix_peer.sampler_fn(cfg, params, prompts_NxT, new_tokens, lengths_N, HF_EOS)
+    return _hf_generate_fn(model_dir, dtype, prompts_NxT, new_tokens, threads, lengths_N)
 
 
 def _print_sampler_table(rows: list[dict]) -> None:
@@ -284,24 +300,29 @@ def _print_sampler_table(rows: list[dict]) -> None:
         ("tokens", "d"), ("len_p10", ".0f"), ("len_p50", ".0f"), ("len_p90", ".0f"), ("len_max", "d"),
         ("frac_at_max", ".3f"), ("tokens_per_s", ".1f"), ("ms_per_step", ".2f"), ("seconds", ".3f"),
         ("gflops_per_s", ".1f"), ("frac_of_peak", ".2f"), ("frac_of_matmuls_attention", ".2f"),
-        ("vs_transformers", ".2f"), ("loops_per_step", ".2f")])
-    print(f"(loops_per_step: the program's data-dependent loop iterations per decode step; tokens: generated before EOS by each side, with their length quantiles; model FLOPs as sage_jax computes "
+        ("vs_transformers", ".2f"), ("vs_tunix", ".2f"), ("compiled_runs", "d"), ("loops_per_step", ".2f")])
+    print(f"(loops_per_step: the program's data-dependent loop iterations per decode step; "
+          f"tokens: generated before EOS by each side, with their length quantiles; model FLOPs as sage_jax computes "
           f"them; peak = the '{MATMULS_ONLY}' row: the same weights' matmuls and nothing else, timed in the same loop; "
           f"'{ATTENTION_ONLY}': the decode steps' cache attention and nothing else; '{MATMULS_ATTENTION}': the two "
           "added, a decode step's floor once its attention is counted; frac_of_matmuls_attention: ours against it)")
-    print("\nratio sage_jax / transformers tokens/s (and the matmuls-only ceiling / transformers):")
+    peer = "tunix" if any(r["impl"] == "tunix" for r in rows) else "transformers"
+    print(f"\nratio sage_jax / {peer} tokens/s (and the matmuls-only ceiling / {peer}):")
     by_key: dict[tuple, dict[str, float]] = {}
     for r in rows:
         by_key.setdefault((r["preset"], r["dtype"], r["workload"], r["batch"]), {})[r["impl"]] = r["tokens_per_s"]
     for (preset, dtype, workload, batch), v in by_key.items():
-        ceiling = f" (ceiling {v[MATMULS_ONLY] / v['transformers']:.2f}x)" if MATMULS_ONLY in v else ""
+        ceiling = f" (ceiling {v[MATMULS_ONLY] / v[peer]:.2f}x)" if MATMULS_ONLY in v else ""
         if SCHEDULE_CEILING in v:
-            ceiling = f" (every step at its live rows: {v[SCHEDULE_CEILING] / v['transformers']:.2f}x)"
-        print(f"  {preset:8} {dtype:5} {workload:8} batch {batch:>3}: {v['sage_jax'] / v['transformers']:.2f}x"
+            ceiling = f" (every step at its live rows: {v[SCHEDULE_CEILING] / v[peer]:.2f}x)"
+        print(f"  {preset:8} {dtype:5} {workload:8} batch {batch:>3}: {v['sage_jax'] / v[peer]:.2f}x"
               + ceiling)
 
 
 def sampler_mode(args) -> list[dict]:
+    if args.peer == "tunix":
+        from sage_jax.bench import tunix_peer
+        tunix_peer.require_tunix()
     presets = ("tiny", "small") if args.preset == "both" else (args.preset,)
     longtail = args.workload == "longtail"
     new_tokens = args.new_tokens or (512 if longtail else 128)
@@ -309,4 +330,4 @@ def sampler_mode(args) -> list[dict]:
     return bench_sampler(presets, args.dtype, args.batch, args.prompt_len, new_tokens, args.repeats,
                          hf_threads=args.hf_threads, workload=args.workload, group=group,
                          slots=tuple(int(n) for n in args.slots.split(",") if n), model_dir=args.model,
-                         ceiling=args.schedule_ceiling)
+                         ceiling=args.schedule_ceiling, peer=args.peer)

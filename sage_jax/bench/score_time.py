@@ -11,6 +11,7 @@ import json
 import os
 import time
 
+from sage_jax.bench import common
 from sage_jax.data.loaders import default_data_dir
 from sage_jax.rewards.pool import RewardPool
 
@@ -18,9 +19,9 @@ from sage_jax.rewards.pool import RewardPool
 def main(argv: list[str]) -> list[dict]:
     """argv: ["score_time", flags...] -> one row: the mean reward and the best round's seconds."""
     parser = argparse.ArgumentParser(prog="python -m sage_jax.bench score_time", description=__doc__.split("\n")[0])
-    parser.add_argument("--items", type=int, default=256)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--items", type=common.count(1), default=256)
+    parser.add_argument("--workers", type=common.count(1), default=2)
+    parser.add_argument("--rounds", type=common.count(1), default=3)
     args = parser.parse_args(argv[1:])
     with open(default_data_dir() / "math_train" / "math12k_train.jsonl", encoding="utf-8") as f:
         rows = [json.loads(line) for _, line in zip(range(args.items), f)]

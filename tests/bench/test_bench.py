@@ -54,7 +54,7 @@ def test_random_loss_batch_layout():
 
 
 def test_rl_step_ours():
-    rows = rl_step.bench_rl_step("tiny", prompts=1, group=2, prompt_len=16, new_tokens=8, repeats=1, trl=False)
+    rows = rl_step.bench_rl_step("tiny", prompts=1, group=2, prompt_len=16, new_tokens=8, repeats=1, peer=None)
     (row,) = rows
     assert row["impl"] == "sage_jax" and _finite_positive(rows, "tokens_per_s")
     parts = row["generate_s"] + row["reward_s"] + row["ref_s"] + row["update_s"]
@@ -290,6 +290,44 @@ def test_rl_step_steady_runs_on_policy_and_partial_rollouts_side_by_side():
     assert part["gen_tokens_per_s"] > 0 and part["trained_tokens_per_s"] > 0 and part["steps"] == 2
     assert part["prefill_carry_s"] >= 0 and 0 <= part["reprefill_frac"]
     assert on["gen_ceiling_vs_on_policy"] > 0 and on["trained_ceiling_vs_on_policy"] > 0
+    # every measured step counted its compilations; a step that compiled is out of the times
+    for r in (on, part):
+        assert r["timed_steps"] + r["compiled_steps"] == 2 and r["train_compiles"] >= 0 <= r["sampler_compiles"]
+        assert r["train_ms_per_token"] > 0
+    assert on["train_cost_vs_on_policy"] == 1.0 and part["train_cost_vs_on_policy"] > 0
     # the ceiling's static batch: twice the mean position of a generated token (1, 2, 3: positions 0; 0, 1; 0, 1, 2)
     assert rl_steady.ceiling_length(np.array([1, 2, 3])) == round(2 * 4 / 6) == 1
     assert rl_steady.ceiling_length(np.array([512] * 4)) == 511
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["rl_step", "--new-tokens", "0", "--no-trl"], "--new-tokens"),  # was a ZeroDivisionError traceback
+    (["rl_step", "--repeats", "0", "--no-trl"], "--repeats"),  # ran, then "no median for empty data"
+    (["train_step", "--batch", "-3"], "--batch"),  # exited 0 with "rows 1"
+    (["sampler", "--new-tokens", "0", "--preset", "tiny"], "--new-tokens"),  # ran past 60 s
+    (["sampler", "--batch", "-3", "--preset", "tiny"], "--batch"),
+    (["rl_step", "--group", "0"], "--group"),
+    (["lora", "sampler", "--new-tokens", "0"], "--new-tokens"),
+])
+def test_counts_below_their_minimum_are_a_usage_error_before_any_work(argv, flag, capsys):
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and f"argument {flag}" in err and "Traceback" not in err
+    assert time.perf_counter() - start < 5
+
+
+def test_sigterm_line_of_a_bench_speaks_of_no_checkpoint(monkeypatch, capsys):
+    """A benchmark has nothing to resume: its stop line says to rerun, not "resume from the last checkpoint"."""
+    from sage_jax.bench import __main__ as bench_main
+    from sage_jax.run import cli as run_cli, guard as run_guard
+
+    def terminated():
+        raise run_guard.Terminated()
+    monkeypatch.setattr(bench_main.bench_cli, "main", terminated)
+    with pytest.raises(SystemExit) as stop:
+        run_cli.main_guard(bench_main._run)
+    err = capsys.readouterr().err
+    assert stop.value.code == 143 and "terminated (SIGTERM)" in err
+    assert "checkpoint" not in err and "rerun the command" in err
