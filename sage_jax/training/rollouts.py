@@ -210,6 +210,13 @@ def build_batch(ro: dict[str, Any], advantages: np.ndarray, pad_id: int, max_new
         "sampler_logp": np.where(comp_mask, ro["sampler_logp"][:, :C], 0.0).astype(np.float32),
         "truncated": ~ro["finished"],
     }
+    if ro.get("sampled_mask") is not None:  # multi-turn rows: observed tokens are attended to, never trained
+        sampled = comp_mask & (np.asarray(ro["sampled_mask"])[:, :C] > 0)
+        bad = np.argwhere(sampled & ~np.isfinite(batch["sampler_logp"]))
+        if len(bad):
+            raise ValueError(f"row {bad[0][0]}, completion token {bad[0][1]}: a sampled token has a NaN behaviour "
+                             "log-prob (NaN marks observed tokens); the row's segments and log-probs disagree")
+        batch["sampled_mask"] = sampled.astype(np.float32)
     if not packed:
         return batch
     return packing.pack_if_smaller(batch, slices, rows_multiple, pad_id, row_groups)
