@@ -89,7 +89,7 @@ def family_tokenizer(name: str, chat_template: str | None = None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     template, specials, end, bos = FAMILIES[name]
-    corpus = ["Please reason step by step. What is 6 * 7? The answer is 42.", "print(6 * 7) import math",
+    corpus = ["Please reason step by step. What is 6 * 7? The answer is 42.", "```python\nprint(6 * 7)\n```\n",
               '{"name": "python", "arguments": {"code": "x"}} system user assistant tool ipython'] * 4
     raw = Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -18,7 +18,8 @@ How a tool's output becomes observed ids (ToolTurns):
   last turn), the earlier turns must be unchanged and the model's turn is read through neutral text; a template that
   rewrites earlier turns is refused, naming the first difference.
 - "plain" (```python blocks, math tool-integrated reasoning): the output goes back in the same turn inside a fixed
-  wrapper, "```output\\n...\\n```\\n".
+  wrapper, "```output\\n...\\n```" (a tool rollout adds the newline after it as a token of its own: the tokens that
+  end with a fence are where rows pause for their calls, and a row that comes back may not end in one).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-PLAIN_WRAPPER = "```output\n{output}\n```\n"
+PLAIN_WRAPPER = "```output\n{output}\n```"
 _PROBE = "sage-jax assistant turn probe"
 
 

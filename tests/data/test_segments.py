@@ -64,7 +64,7 @@ def test_three_turn_conversation_matches_the_template(family, paused_at_call_end
 
 def test_plain_wrapper_continues_the_same_turn():
     turns = ToolTurns(family_tokenizer("smollm2"), "plain")
-    assert turns.observation_text([], "42\n") == "```output\n42\n```\n"
+    assert turns.observation_text([], "42\n") == "```output\n42\n```"
 
 
 def test_qwen3_dropping_an_empty_think_block_still_gets_its_tool_turn():
