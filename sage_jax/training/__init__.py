@@ -4,6 +4,6 @@ are complete carry into the next step), tool_rollouts.py (rows pause at tool cal
 decodes, the rows resume with the output as observed tokens), state.py (the train state and the jitted update),
 supervised.py (SFT), step_timing.py.
 
-Imports: every core folder (models, tools, sampling, rl, run, eval, data, rewards); nothing imports training but the faces,
-bench/, experiments/ and plan/.
+Imports: every core folder (models, tools, sampling, rl, run, eval, data, rewards); nothing imports training but the
+faces, bench/, experiments/ and plan/.
 """

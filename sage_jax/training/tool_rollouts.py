@@ -179,11 +179,17 @@ def _absorb(out, rows: list[_Row], fmt: ToolFormat, pool: ToolPool, settings: To
             else:
                 _submit_call(row, fmt, pool, settings)
         else:
-            row.done, row.finished = True, bool(finished[n])
+            _end(row, fmt, bool(finished[n]))
     return running, false_stops
 
 
-def _draw_past(generate_fn: Callable, rows: list[_Row], prompt: list[int], key, end_ids: tuple) -> list[_Row]:
+def _end(row: _Row, fmt: ToolFormat, finished: bool) -> None:
+    row.done, row.finished = True, finished
+    if len(row.tokens) > row.turn_start:  # its last turn, for samples.jsonl
+        row.messages.append({"role": "assistant", "content": fmt.turn_text(row.tokens[row.turn_start:])})
+
+
+def _draw_past(generate_fn: Callable, rows: list[_Row], prompt: list[int], key, fmt: ToolFormat) -> list[_Row]:
     """One more token for rows that stopped on a call-end token ending no call, in a call without the call-end stop
     tokens (a resumed row may not end in a stop token of its call) -> the rows that go on decoding."""
     going = []
@@ -195,9 +201,9 @@ def _draw_past(generate_fn: Callable, rows: list[_Row], prompt: list[int], key, 
         for n, row in enumerate(rows):
             row.take_sampled(tokens[n], logp[n], int(lengths[n]))
             if finished[n] or len(row.tokens) >= row.limit:
-                row.done, row.finished = True, bool(finished[n])
+                _end(row, fmt, bool(finished[n]))
             else:
-                (again if row.tokens[-1] in end_ids else going).append(row)
+                (again if row.tokens[-1] in fmt.end_ids else going).append(row)
         rows = again
     return going
 
@@ -211,7 +217,7 @@ def generate_with_tools(generate_fn: Callable, prompts: Sequence[Sequence[int]],
     stop = max(1, math.ceil(settings.return_share * len(prompts)))
     running, false_stops = _absorb(generate_fn(prompts, G, (), stop, None, fmt.end_ids), rows, fmt, pool, settings)
     while True:
-        running += _draw_past(generate_fn, false_stops, prompts[0], key, fmt.end_ids) if false_stops else []
+        running += _draw_past(generate_fn, false_stops, prompts[0], key, fmt) if false_stops else []
         answered = [r for r in rows if r.future is not None and r.future.done()]
         if not running and not answered:
             pending = [r.future for r in rows if r.future is not None]
@@ -251,4 +257,49 @@ def _arrays(rows: list[_Row], C: int, waited_s: float, total_s: float, calls: in
             (count("calls") == 0).mean()), "tools/wait_s": waited_s, "tools/rollout_s": total_s,
         "tools/resume_calls": float(calls)}
     ro["messages"] = [r.messages for r in rows]
+    return ro
+
+
+def settings_from(rollout_cfg) -> ToolSettings:
+    return ToolSettings(max_turns=int(getattr(rollout_cfg, "max_turns", 4)),
+                        max_tool_tokens=int(getattr(rollout_cfg, "max_tool_tokens", 512)))
+
+
+def rollout_tool_rows(task, cfg, params, prompts: list[list[int]], rollout_cfg, key) -> dict[str, Any]:
+    """rollouts.rollout_phases' rows with rollout.tools: the run's sampler bound into generate_fn, the tools in a
+    pool for the call. One process only (which rows wait on a tool depends on timing, so processes would diverge)."""
+    import jax
+    from sage_jax.models import sharding
+    from sage_jax.sampling import sampler
+    from sage_jax.tools.registry import make_tools
+    if jax.process_count() > 1:
+        raise ValueError("rollout.tools runs on one process for now: drop rollout.tools or run on a single host")
+    G = rollout_cfg.group_size
+    tools = make_tools(tuple(rollout_cfg.tools), timeout_s=float(getattr(rollout_cfg, "tool_timeout", 5.0)))
+    fmt = ToolFormat(task.tokenizer.hf, getattr(rollout_cfg, "tool_format", "markdown"), tools)
+    base_eos = tuple(cfg.eos_token_ids)
+
+    def generate_fn(prompts_, num_samples, resume, stop_after_groups, limits, extra_eos):
+        out = sampler.generate(cfg, params, prompts_, max_new_tokens=rollout_cfg.max_new_tokens,
+                               temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
+                               min_p=rollout_cfg.min_p, eos_ids=base_eos + tuple(extra_eos), seed=key,
+                               num_samples=num_samples, pad_id=cfg.pad_token_id,
+                               slots=getattr(rollout_cfg, "slots", None),
+                               row_max_new_tokens=limits, stop_after_groups=stop_after_groups, resume=resume,
+                               min_rows=len(prompts) * G + 1 if resume else 0)
+        return sharding.to_host(out)
+
+    with ToolPool(tools, num_workers=int(getattr(rollout_cfg, "tool_workers", 8))) as pool:
+        ro = generate_with_tools(generate_fn, prompts, G, fmt, pool, settings_from(rollout_cfg),
+                                 rollout_cfg.max_new_tokens, key)
+        ro["tool_stats"].update(pool.take_counts())
+    P = sampler.prompt_bucket(max(map(len, prompts)))
+    ro["prompt_tokens"] = np.full((len(prompts) * G, P), cfg.pad_token_id, np.int32)
+    ro["prompt_mask"] = np.zeros((len(prompts) * G, P), bool)
+    for n in range(len(prompts) * G):
+        p = prompts[n // G]
+        ro["prompt_tokens"][n, P - len(p):], ro["prompt_mask"][n, P - len(p):] = p, True
+    # the reward reads the model's own text only, never a tool's output
+    ro["texts"] = [task.tokenizer.decode(row[:n][mask[:n] > 0])
+                   for row, n, mask in zip(ro["tokens"], ro["lengths"], ro["sampled_mask"])]
     return ro

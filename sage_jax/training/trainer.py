@@ -285,8 +285,7 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
                 logger.log(step, host)
                 progress.update(step + 1, host)
                 if tr.sample_every and step % tr.sample_every == 0:
-                    logger.log_samples(step, [{"prompt": p, "completion": c, "reward": float(r)} for p, c, r in
-                                              zip(ro["prompts"][:4], ro["texts"][:4], ro["rewards"][:4])])
+                    logger.log_samples(step, rollouts.samples(ro, 4))
                 done = step + 1
                 if done % tr.ckpt_every == 0 or done == tr.steps:
                     report(late.flush())

@@ -201,3 +201,44 @@ def test_markdown_rollout_runs_python_in_the_sandbox():
         "Compute it.\n```python\nprint(6 * 7)\n```\n```output\n42\n```\n\nSo it is 42.<|im_end|>")
     assert hf.decode([i for i, m in zip(ids, mask) if m], skip_special_tokens=False) == text + "<|im_end|>"
     assert np.isnan(ro["sampler_logp"][0, :L][mask == 0]).all()
+
+
+def test_rollout_with_tools_feeds_the_loss_batch_and_the_samples(monkeypatch):
+    """rollouts.rollout_phases with rollout.tools: the sampler (scripted here) bound in, the rows' sampled mask and
+    NaN log-probs through build_batch, the reward text the model's own, each turn in samples.jsonl."""
+    import types
+    import ml_collections
+    from sage_jax.data.tokenizer import Tokenizer
+    from sage_jax.training import rollouts
+    from tests.helpers_chat_templates import family_tokenizer
+    hf = family_tokenizer("qwen2.5")
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
+    gen = _scripted(hf, call + "The answer is 42.", "<|im_end|>")
+    monkeypatch.setattr(sampler, "generate", lambda cfg, params, prompts, **kw: gen(
+        prompts, kw["num_samples"], kw["resume"], kw["stop_after_groups"], kw["row_max_new_tokens"], kw["eos_ids"]))
+    task = types.SimpleNamespace(tokenizer=Tokenizer(hf), gold=lambda ex: "42", prompt_text=lambda ex: ex,
+                                 encode_prompt=lambda ex: hf.encode(ex, add_special_tokens=False))
+    cfg = types.SimpleNamespace(eos_token_ids=(gen.eos,), pad_token_id=0)
+    ro_cfg = ml_collections.ConfigDict(dict(group_size=2, max_new_tokens=64, temperature=1.0, top_p=1.0, top_k=0,
+                                            min_p=0.0, tools=("calculator",), tool_format="hermes", max_turns=2))
+    ro = rollouts.rollout(task, cfg, None, ["What is 6 * 7?"], ro_cfg, 0, 64)
+    assert ro["texts"] == [hf.decode(hf.encode(call + "The answer is 42."), skip_special_tokens=True)] * 2
+    assert ro["tool_stats"]["tools/calls_per_row"] == 1.0 and ro["tool_stats"]["tools/calls"] == 2.0
+    batch = rollouts.build_batch(ro, np.zeros(2, np.float32), pad_id=0, max_new_tokens=64)
+    observed = (batch["completion_mask"] > 0) & (batch["sampled_mask"] == 0)
+    assert observed.sum() > 0 and np.isnan(batch["sampler_logp"][observed]).all()
+    ro["rewards"] = np.ones(2, np.float32)
+    sample = rollouts.samples(ro, 1)[0]
+    assert [t["role"] for t in sample["turns"]] == ["assistant", "tool", "assistant"]
+    assert sample["turns"][1]["content"] == "42"
+
+
+def test_config_rules_for_tools():
+    from sage_jax.run import config as config_lib
+    config = config_lib.load("configs/cpu_demo.py", [])
+    config.rollout.tools = ("python", "shell")
+    with pytest.raises(config_lib.ConfigError, match="rollout.tools"):
+        config_lib.validate(config)
+    config.rollout.tools, config.rollout.partial = ("python",), True
+    with pytest.raises(config_lib.ConfigError, match="rollout.partial"):
+        config_lib.validate(config)
