@@ -76,6 +76,8 @@ def main(argv: list[str]) -> list[dict]:
     p.add_argument("--tool-ms", type=float, default=100.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workers", type=int, default=16, help="tool calls at once")
+    p.add_argument("--return-share", type=float, default=0.25, help="a sampler call returns once this share of "
+                   "its groups is complete (1: when every row has stopped)")
     args = p.parse_args(argv[1:])
     cfg = model_lib.ModelConfig(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                                 head_dim=32, intermediate_size=512, rope_theta=10000.0, max_position_embeddings=1024)
@@ -95,7 +97,7 @@ def main(argv: list[str]) -> list[dict]:
                                                stop_after_groups=stop, row_max_new_tokens=limits,
                                                min_rows=B * G + 1 if resume else 0))
 
-    settings = tool_rollouts.ToolSettings(max_turns=1)
+    settings = tool_rollouts.ToolSettings(max_turns=1, return_share=args.return_share)
     with ToolPool({"sleep": _SleepTool(args.tool_ms / 1000)}, num_workers=args.workers) as pool:
         def with_tools():
             return tool_rollouts.generate_with_tools(generate_fn, prompts, G, _MarkerFormat(marker), pool, settings,
@@ -117,7 +119,8 @@ def main(argv: list[str]) -> list[dict]:
             times["tools"].append(time.perf_counter() - t0)
             counts["tools"] = int(ro["sampled_mask"].sum())
             calls = ro["tool_stats"]["tools/calls_per_row"]
-    rows = [{"arm": arm, "rows": B * G, "new_tokens": C, "tool_ms": args.tool_ms, "sampled_tokens": counts[arm],
+    rows = [{"arm": arm, "rows": B * G, "new_tokens": C, "tool_ms": args.tool_ms, "return_share": args.return_share,
+             "sampled_tokens": counts[arm],
              "median_s": statistics.median(times[arm]), "tokens_per_s": counts[arm] / statistics.median(times[arm])}
             for arm in ("plain", "tools")]
     rows[1].update(calls_per_row=calls, marker_share=share, resume_calls=ro["tool_stats"]["tools/resume_calls"],

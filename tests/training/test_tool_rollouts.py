@@ -242,3 +242,40 @@ def test_config_rules_for_tools():
     config.rollout.tools, config.rollout.partial = ("python",), True
     with pytest.raises(config_lib.ConfigError, match="rollout.partial"):
         config_lib.validate(config)
+
+
+@pytest.mark.slow  # ~30 s on 2 shared cores: the train step's compile
+def test_a_train_step_over_observed_tokens_ignores_their_values():
+    """The jitted train step (two micro-batches, token-mean): rows with observed tokens (NaN behaviour log-probs)
+    update the weights exactly as when those tokens' behaviour and reference log-probs are other numbers."""
+    import jax.numpy as jnp
+    from sage_jax.rl import objectives
+    from sage_jax.run import config as config_lib
+    from sage_jax.training import state as train_state
+    from sage_jax.models import build, decoder
+    config = config_lib.load("configs/tiny_test.py", ["--config.loss.aggregation=token-mean",
+                                                      "--config.loss.tis_cap=2.0"])
+    cfg = build.model_config(config, vocab_size=23)
+    params = decoder.init_params(cfg, jax.random.key(0))
+    tx, schedule = train_state.make_optimizer(config.optim, 10)
+    loss_cfg = objectives.LossConfig.from_config(config.loss, total_steps=10)
+    step = train_state.make_train_step(cfg, loss_cfg, tx, schedule, seed=0, grad_accum=2)
+    rng = np.random.RandomState(0)
+    N, P, C = 4, 4, 8
+    tokens = rng.randint(3, 23, (N, P + C)).astype(np.int32)
+    sampled = np.ones((N, C), np.float32)
+    sampled[0, 2:5] = sampled[2, 1:3] = 0
+    base = {"tokens": tokens, "mask": np.ones((N, P + C), np.int32), "completion_mask": np.ones((N, C), np.float32),
+            "sampled_mask": sampled, "advantages": rng.randn(N).astype(np.float32),
+            "truncated": np.zeros(N, bool), "rl_step": np.int32(0)}
+    updates = []
+    for fill in (np.nan, -1.5):
+        lp = np.where(sampled > 0, -2.5, fill).astype(np.float32)
+        ref = np.where(sampled > 0, -2.2, -7.0 if np.isnan(fill) else 0.3).astype(np.float32)
+        batch = objectives.with_batch_normaliser({**base, "sampler_logp": lp, "ref_logp": ref}, loss_cfg)
+        state = train_state.init_state(jax.tree.map(jnp.copy, params), tx)
+        state, metrics = step(state, jax.tree.map(jnp.asarray, batch))
+        assert np.isfinite(float(metrics["loss/total"]))
+        updates.append(jax.tree.map(np.asarray, state["params"]))
+    for a, b in zip(jax.tree.leaves(updates[0]), jax.tree.leaves(updates[1])):
+        np.testing.assert_array_equal(a, b)
