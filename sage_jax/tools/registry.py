@@ -9,6 +9,7 @@ from sage_jax.tools.calculator import Calculator
 from sage_jax.tools.python_tool import PythonTool
 
 NAMES = ("python", "calculator")
+SCHEMAS = {"python": PythonTool.schema, "calculator": Calculator.schema}
 
 
 def make_tools(names: Sequence[str], timeout_s: float = 5.0) -> dict[str, Tool]:

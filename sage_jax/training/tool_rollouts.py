@@ -129,12 +129,15 @@ def _submit_call(row: _Row, fmt: ToolFormat, pool: ToolPool, settings: ToolSetti
     row.calls += 1
     call = fmt.find(turn)
     if call is None or call.error:
-        message = call.error if call is not None else "a tool call is a closed ```python block"
+        message = call.error if call is not None else _CALL_SHAPE[fmt.call_format]
         row.future = concurrent.futures.Future()
         row.future.set_result(_error_output(message))
-        row.errors += 1
         return
     row.future = pool.submit(call.name, call.arguments)
+
+
+_CALL_SHAPE = {"markdown": "a tool call is a closed ```python block",
+               "hermes": 'a tool call is <tool_call>{"name": ..., "arguments": {...}}</tool_call>'}
 
 
 def _error_output(message: str):
@@ -274,6 +277,9 @@ def rollout_tool_rows(task, cfg, params, prompts: list[list[int]], rollout_cfg, 
     from sage_jax.tools.registry import make_tools
     if jax.process_count() > 1:
         raise ValueError("rollout.tools runs on one process for now: drop rollout.tools or run on a single host")
+    if getattr(task.tokenizer, "hf", None) is None:
+        raise ValueError(f"rollout.tools needs a Hugging Face tokenizer (--config.model.path or tokenizer_path); the "
+                         f"{task.name!r} task's own tokenizer cannot find calls")
     G = rollout_cfg.group_size
     tools = make_tools(tuple(rollout_cfg.tools), timeout_s=float(getattr(rollout_cfg, "tool_timeout", 5.0)))
     fmt = ToolFormat(task.tokenizer.hf, getattr(rollout_cfg, "tool_format", "markdown"), tools)
@@ -292,7 +298,7 @@ def rollout_tool_rows(task, cfg, params, prompts: list[list[int]], rollout_cfg, 
     with ToolPool(tools, num_workers=int(getattr(rollout_cfg, "tool_workers", 8))) as pool:
         ro = generate_with_tools(generate_fn, prompts, G, fmt, pool, settings_from(rollout_cfg),
                                  rollout_cfg.max_new_tokens, key)
-        ro["tool_stats"].update(pool.take_counts())
+        ro["tool_stats"]["tools/seconds"] = pool.take_counts()["tools/seconds"]  # time in tools, hidden or waited
     P = sampler.prompt_bucket(max(map(len, prompts)))
     ro["prompt_tokens"] = np.full((len(prompts) * G, P), cfg.pad_token_id, np.int32)
     ro["prompt_mask"] = np.zeros((len(prompts) * G, P), bool)

@@ -223,7 +223,8 @@ def test_rollout_with_tools_feeds_the_loss_batch_and_the_samples(monkeypatch):
                                             min_p=0.0, tools=("calculator",), tool_format="hermes", max_turns=2))
     ro = rollouts.rollout(task, cfg, None, ["What is 6 * 7?"], ro_cfg, 0, 64)
     assert ro["texts"] == [hf.decode(hf.encode(call + "The answer is 42."), skip_special_tokens=True)] * 2
-    assert ro["tool_stats"]["tools/calls_per_row"] == 1.0 and ro["tool_stats"]["tools/calls"] == 2.0
+    assert ro["tool_stats"]["tools/calls_per_row"] == 1.0 and ro["tool_stats"]["tools/errors"] == 0.0
+    assert ro["tool_stats"]["tools/seconds"] >= 0.0
     batch = rollouts.build_batch(ro, np.zeros(2, np.float32), pad_id=0, max_new_tokens=64)
     observed = (batch["completion_mask"] > 0) & (batch["sampled_mask"] == 0)
     assert observed.sum() > 0 and np.isnan(batch["sampler_logp"][observed]).all()
@@ -279,3 +280,17 @@ def test_a_train_step_over_observed_tokens_ignores_their_values():
         updates.append(jax.tree.map(np.asarray, state["params"]))
     for a, b in zip(jax.tree.leaves(updates[0]), jax.tree.leaves(updates[1])):
         np.testing.assert_array_equal(a, b)
+
+
+def test_hermes_prompts_list_the_tools_in_the_chat_template(tmp_path):
+    from sage_jax.data import tasks
+    from sage_jax.run import config as config_lib
+    from tests.helpers_chat_templates import family_tokenizer
+    family_tokenizer("qwen2.5").save_pretrained(tmp_path)
+    flags = ["--config.data.task=math", "--config.data.train=arith_words", "--config.data.eval=",
+             f"--config.tokenizer_path={tmp_path}", "--config.rollout.tools=('calculator',)"]
+    hermes = tasks.build(config_lib.load("configs/tiny_test.py", flags + ["--config.rollout.tool_format=hermes"]))
+    markdown = tasks.build(config_lib.load("configs/tiny_test.py", flags))
+    example = hermes.train[0]
+    assert '"name": "calculator"' in hermes.prompt_text(example) and "<tools>" in hermes.prompt_text(example)
+    assert "<tools>" not in markdown.prompt_text(example)
