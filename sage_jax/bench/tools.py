@@ -123,7 +123,7 @@ def main(argv: list[str]) -> list[dict]:
              "sampled_tokens": counts[arm],
              "median_s": statistics.median(times[arm]), "tokens_per_s": counts[arm] / statistics.median(times[arm])}
             for arm in ("plain", "tools")]
-    rows[1].update(calls_per_row=calls, marker_share=share, resume_calls=ro["tool_stats"]["tools/resume_calls"],
+    rows[1].update(calls_per_row=calls, marker_share=share, sampler_calls=ro["tool_stats"]["tools/sampler_calls"],
                    ratio=rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"])
     for r in rows:
         print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))

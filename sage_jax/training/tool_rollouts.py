@@ -258,7 +258,7 @@ def _arrays(rows: list[_Row], C: int, waited_s: float, total_s: float, calls: in
         "tools/errors": float(count("errors").sum()), "tools/timeouts": float(count("timeouts").sum()),
         "tools/truncations": float(count("clipped").sum()), "tools/rows_without_calls": float(
             (count("calls") == 0).mean()), "tools/wait_s": waited_s, "tools/rollout_s": total_s,
-        "tools/resume_calls": float(calls)}
+        "tools/sampler_calls": float(calls)}
     ro["messages"] = [r.messages for r in rows]
     return ro
 

@@ -91,7 +91,7 @@ def test_rows_pause_at_calls_and_resume_with_observed_tokens():
     assert calls >= 3, "the random model made too few calls for the test to mean anything"
     assert any(44 in ro["tokens"][n, :ro["lengths"][n] - 1] for n in range(N)), "no false stop was drawn past"
     stats = ro["tool_stats"]
-    assert stats["tools/calls_per_row"] * N >= calls and stats["tools/resume_calls"] >= 1
+    assert stats["tools/calls_per_row"] * N >= calls and stats["tools/sampler_calls"] >= 1
     # the pool kept decoding while tools ran: a sampler call started inside some tool's run
     assert any(a < t < b for t in call_starts[1:] for a, b in tool.spans)
 
