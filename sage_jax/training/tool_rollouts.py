@@ -263,6 +263,9 @@ def _arrays(rows: list[_Row], C: int, waited_s: float, total_s: float, calls: in
     return ro
 
 
+_FORMATS: dict[tuple, ToolFormat] = {}
+
+
 def settings_from(rollout_cfg) -> ToolSettings:
     return ToolSettings(max_turns=int(getattr(rollout_cfg, "max_turns", 4)),
                         max_tool_tokens=int(getattr(rollout_cfg, "max_tool_tokens", 512)))
@@ -282,7 +285,11 @@ def rollout_tool_rows(task, cfg, params, prompts: list[list[int]], rollout_cfg, 
                          f"{task.name!r} task's own tokenizer cannot find calls")
     G = rollout_cfg.group_size
     tools = make_tools(tuple(rollout_cfg.tools), timeout_s=float(getattr(rollout_cfg, "tool_timeout", 5.0)))
-    fmt = ToolFormat(task.tokenizer.hf, getattr(rollout_cfg, "tool_format", "markdown"), tools)
+    call_format = getattr(rollout_cfg, "tool_format", "markdown")
+    cache_key = (id(task.tokenizer.hf), call_format, tuple(tools))  # markdown reads every token's text: once
+    if cache_key not in _FORMATS:
+        _FORMATS[cache_key] = ToolFormat(task.tokenizer.hf, call_format, tools)
+    fmt = _FORMATS[cache_key]
     base_eos = tuple(cfg.eos_token_ids)
 
     def generate_fn(prompts_, num_samples, resume, stop_after_groups, limits, extra_eos):
