@@ -3,13 +3,13 @@ decode, and the row comes back into the pool with the tool's output prefilled (s
 
     fmt = ToolFormat(tokenizer.hf, "markdown", tools)         # or "hermes": the chat template's <tool_call> turns
     with ToolPool(tools, num_workers=8) as pool:
-        ro = generate_with_tools(generate_fn, prompts, G, fmt, pool, ToolSettings(max_turns=4), max_new_tokens)
+        ro = generate_with_tools(generate_fn, prompts, G, fmt, pool, ToolSettings(max_turns=4), max_new_tokens, key)
     ro["tokens"], ro["sampled_mask"], ro["sampler_logp"]      # [N, max_new_tokens]; NaN log-probs where observed
 
 `generate_fn(prompts, num_samples, resume, stop_after_groups, row_max_new_tokens, extra_eos)` is sampler.generate
-with the run's model, params, sampling settings and seed bound (the caller's; see rollouts). The call-end tokens
-(`</tool_call>`, or the tokens that close a ``` block with a newline) are stop tokens of every call, so a row that
-writes one leaves the pool (done). Calls return once a share of their groups is complete (stop_after_groups); the
+with the run's model, params, sampling settings and seed `key` bound (rollout_tool_rows). The call-end tokens
+(`</tool_call>`, or every token whose text ends with ```) are stop tokens of every call, so a row that writes one
+leaves the pool (done); a fence that opens a block is a false stop, drawn past in a call without those stops. Calls return once a share of their groups is complete (stop_after_groups); the
 rows still running come back in the next call beside the rows whose tools have answered, so the pool keeps decoding
 while tools run, and only when no row is left to decode does the loop wait for a tool.
 
