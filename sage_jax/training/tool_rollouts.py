@@ -9,9 +9,10 @@ decode, and the row comes back into the pool with the tool's output prefilled (s
 `generate_fn(prompts, num_samples, resume, stop_after_groups, row_max_new_tokens, extra_eos)` is sampler.generate
 with the run's model, params, sampling settings and seed `key` bound (rollout_tool_rows). The call-end tokens
 (`</tool_call>`, or every token whose text ends with ```) are stop tokens of every call, so a row that writes one
-leaves the pool (done); a fence that opens a block is a false stop, drawn past in a call without those stops. Calls return once a share of their groups is complete (stop_after_groups); the
-rows still running come back in the next call beside the rows whose tools have answered, so the pool keeps decoding
-while tools run, and only when no row is left to decode does the loop wait for a tool.
+leaves the pool (done); a fence that opens a block is a false stop, drawn past in a call without those stops.
+Calls return once a share of their groups is complete (stop_after_groups); the rows still running come back in the
+next call beside the rows whose tools have answered, so the pool keeps decoding while tools run, and only when no
+row is left to decode does the loop wait for a tool.
 
 A row is token in, token out (data/segments.py): sampled segments keep the ids and behaviour log-probs the sampler
 returned; observed segments (tool output, in the template's tool turn or the plain ```output wrapper) are
