@@ -62,7 +62,13 @@ def get_config(arg=None):
         # the rows still running carry into the next step's call; oversample x prompts_per_step groups are kept in
         # flight; a group whose first token is more than max_lag policy versions older than the step that would train
         # it is dropped (rl/dropped_groups)
-        partial=False, oversample=1.5, max_lag=4))
+        partial=False, oversample=1.5, max_lag=4,
+        # tool-integrated rollouts (sage_jax/training/tool_rollouts.py): tools=("python",) or ("calculator",); a row
+        # pauses at its call (tool_format "markdown": a closed ```python block; "hermes": the chat template's
+        # <tool_call>), the call runs in tool_workers threads (Python in a sandbox, tool_timeout seconds) while the
+        # other rows decode, and the row resumes with the output (cut to max_tool_tokens) as untrained tokens; at most
+        # max_turns calls per row; max_new_tokens counts the output tokens too
+        tools=(), tool_format="markdown", max_turns=4, tool_timeout=5.0, max_tool_tokens=512, tool_workers=8))
 
     # The loss and guide defaults live in objectives.LossConfig and guides.GuideConfig (one flat dict here): k3
     # anchor, beta 0.05, clip 0.2, GRPO aggregation, advantages over the group's std (ddof 1) + 1e-4, no guide;

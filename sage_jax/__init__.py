@@ -5,6 +5,7 @@ The package's folders, lowest floor first; each may import only the folders on t
 
   rewards/      verifiers: math answers, Knights and Knaves, countdown; the reward process pool
   models/       the decoder as pure functions, its config, attention, KV cache, sharding, LoRA, HF and GGUF I/O
+  tools/        tools the model calls mid-answer: Python in a sandbox (namespaces, limits), a calculator; their pool
   data/         problem sets, prompt templates, tokenizers, tasks                          -> rewards, models
   sampling/     the sampler: KV-cache decoding in a pool of slots; top-k/top-p filters             -> models
   rl/           group advantages, guides (q), objectives (the SAGE loss), packing                  -> models

@@ -15,6 +15,7 @@
   python -m sage_jax.bench decode_kernels                                   # where XLA:CPU's decode time goes
   python -m sage_jax.bench score_time                                       # the math reward's host cost
   python -m sage_jax.bench offpolicy --tokenizer DIR                        # k = 0 vs k = 1 trainings
+  python -m sage_jax.bench tools --tool-ms 100                              # tokens/s with tool calls vs without
   python -m sage_jax.bench all
 
 `--batch` counts rows (prompts x samples). Each number is the median of `--repeats` runs after a warm-up run; the
@@ -52,7 +53,7 @@ def _lazy(module: str) -> Callable[[list[str]], list[dict]]:
 # modes with flags of their own: argv -> rows
 OWN_FLAGS: dict[str, Callable[[list[str]], list[dict]]] = {
     "gpu": gpu.main, "lora": lora.main, "decode_kernels": _lazy("decode_kernels"), "score_time": _lazy("score_time"),
-    "offpolicy": _lazy("offpolicy"), "gpu_decode": _lazy("gpu_decode")}
+    "offpolicy": _lazy("offpolicy"), "gpu_decode": _lazy("gpu_decode"), "tools": _lazy("tools")}
 ALL_TRAINING = ("matmul", "train_step", "rl_step", "memory", "scaling")  # what `all` runs after the sampler
 
 

@@ -145,7 +145,7 @@ def _build(config, tokenizer_path: str = "") -> Task:
                          "--config.tokenizer_path")
     tokenizer = Tokenizer.from_pretrained(path)
     from sage_jax.data import templates
-    template = templates.resolve_for(d, tokenizer)
+    template = templates.resolve_for(d, tokenizer, tools=_tool_schemas(config))
     fields = dict(problem_key=d.problem_field or None, answer_key=d.answer_field or None)
     data_dir = d.data_dir or None
     if d.task == "kk":
@@ -164,6 +164,16 @@ def _build(config, tokenizer_path: str = "") -> Task:
     if extraction not in ("strict", "last_number"):
         raise ValueError(f"data.answer_extraction={extraction!r}: choose 'strict' or 'last_number'")
     return Task("math", "math", tokenizer, template, train, evals, extraction)
+
+
+def _tool_schemas(config) -> list[dict] | None:
+    """The schemas of rollout.tools for the chat template's `tools=`, where calls go through it (tool_format
+    'hermes'); a ```python format needs none in the prompt."""
+    ro = config.get("rollout", {})
+    if not tuple(ro.get("tools", ())) or ro.get("tool_format", "markdown") != "hermes":
+        return None
+    from sage_jax.tools.registry import SCHEMAS
+    return [SCHEMAS[name] for name in ro.tools]
 
 
 def _math_set(name: str, split: str, config, data_dir, fields=None, limit=None, exclude=()) -> list[Example]:

@@ -71,17 +71,18 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(getattr(tokenizer, "hf", None), "chat_template", None))
 
 
-def chat_template_text(tokenizer: Any, system: str = "", instruction: str = "{problem}") -> str:
-    """The model's chat template rendered once around a "{problem}" slot: [system], user, generation prompt."""
+def chat_template_text(tokenizer: Any, system: str = "", instruction: str = "{problem}", tools=None) -> str:
+    """The model's chat template rendered once around a "{problem}" slot: [system], user, generation prompt (and the
+    tools' schemas where the run calls tools through the template, rollout.tool_format 'hermes')."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": instruction}]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **({"tools": tools} if tools else {}))
     if text.count("{problem}") != 1:
         raise ValueError("the tokenizer's chat template does not keep the user message verbatim (one '{problem}' "
                          "slot); set data.template to a named template such as 'qwen_math_boxed'")
     return text
 
 
-def resolve(name: str, tokenizer: Any = None, system: str = "", instruction: str = "{problem}") -> str:
+def resolve(name: str, tokenizer: Any = None, system: str = "", instruction: str = "{problem}", tools=None) -> str:
     """A render()-able template name: `name` itself, or for "chat" / "auto" the model's own template, registered."""
     if name not in (CHAT, AUTO):
         if name not in TEMPLATES:
@@ -91,7 +92,7 @@ def resolve(name: str, tokenizer: Any = None, system: str = "", instruction: str
     if "{problem}" not in instruction:
         raise ValueError(f"data.instruction={instruction!r} has no '{{problem}}' placeholder")
     if has_chat_template(tokenizer):
-        text = chat_template_text(tokenizer, system, instruction)
+        text = chat_template_text(tokenizer, system, instruction, tools)
     elif name == CHAT:
         raise ValueError("data.template='chat' but the tokenizer has no chat template; use data.template='auto' "
                          "or a named template such as 'qwen_math_boxed'")
@@ -110,8 +111,8 @@ def resolve(name: str, tokenizer: Any = None, system: str = "", instruction: str
     return key
 
 
-def resolve_for(data_config: Any, tokenizer: Any, name: str | None = None) -> str:
+def resolve_for(data_config: Any, tokenizer: Any, name: str | None = None, tools=None) -> str:
     """resolve() with the system prompt and instruction of a config's `data` section (defaults where absent)."""
     get = getattr(data_config, "get", lambda k, default=None: default)
     return resolve(name or str(get("template", AUTO)), tokenizer, str(get("system_prompt", "") or ""),
-                   str(get("instruction", MATH_INSTRUCTION) or MATH_INSTRUCTION))
+                   str(get("instruction", MATH_INSTRUCTION) or MATH_INSTRUCTION), tools)

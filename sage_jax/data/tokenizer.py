@@ -178,11 +178,13 @@ class Tokenizer:
     def batch_decode(self, id_lists: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
         return [self.decode(ids, skip_special_tokens) for ids in id_lists]
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this tokenizer has no chat template; use a plain prompt template instead "
                              "(e.g. sage_jax.data.tokenizer.boxed_prompt)")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           tools=tools)
 
     def boxed_prompt(self, problem: str) -> str:
         return boxed_prompt(problem)

@@ -169,6 +169,8 @@ def abstract_batch(config, shapes: Shapes, rows: int, mesh) -> dict[str, Any]:
         specs["old_logp"] = ((rows, C), jnp.float32)
     if config.loss.kl_estimator in objectives.SEQUENCE_ESTIMATORS:
         specs["seq_kl_coef"] = ((rows,), jnp.float32)
+    if tuple(config.rollout.get("tools", ())):  # tool rollouts: the sampled tokens' mask (training/tool_rollouts.py)
+        specs["sampled_mask"] = ((rows, C), jnp.float32)
     batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.data_sharding(mesh, len(shape)))
              for k, (shape, dtype) in specs.items()}
     batch["rl_step"] = jax.ShapeDtypeStruct((), jnp.int32, sharding=sharding.replicated(mesh))

@@ -283,9 +283,18 @@ def loss_defaults() -> dict[str, Any]:
     return {guides.config_key(f.name): defaults[f.name] for f in fields if f.name not in _DERIVED}
 
 
-def loss_mask(batch: Mapping[str, jax.Array], loss_cfg: LossConfig) -> jax.Array:
-    """float [N, C]: the completion tokens the loss counts (truncated rows dropped under mask_truncated)."""
+def sampled_tokens(batch: Mapping[str, jax.Array]) -> jax.Array:
+    """float [N, C]: the completion tokens the policy drew. A multi-turn row's `sampled_mask` is 0 on its observed
+    tokens (tool output: context for attention, never trained); this is the one mask of every term and metric."""
     mask_NxC = batch["completion_mask"].astype(jnp.float32)
+    if batch.get("sampled_mask") is not None:
+        mask_NxC = mask_NxC * batch["sampled_mask"].astype(jnp.float32)
+    return mask_NxC
+
+
+def loss_mask(batch: Mapping[str, jax.Array], loss_cfg: LossConfig) -> jax.Array:
+    """float [N, C]: the sampled tokens the loss counts (truncated rows dropped under mask_truncated)."""
+    mask_NxC = sampled_tokens(batch)
     if loss_cfg.mask_truncated and "truncated" in batch:
         mask_NxC = mask_NxC * (1.0 - batch["truncated"].astype(jnp.float32))[:, None]
     return mask_NxC
@@ -339,6 +348,9 @@ def loss_from_logprobs(logp_NxC: jax.Array, entropy_NxC: jax.Array, batch: Mappi
     agg = lambda x_NxC: aggregate(x_NxC, mask_NxC, loss_cfg.aggregation, loss_cfg.norm_len,
                                   batch.get("tokens_per_row"))
     loss = agg(pg_NxC + kl_NxC + cov_NxC + bonus_NxC) + kl_seq
+    for name in ("sampler_logp", "old_logp"):  # NaN marks observed tokens: on a trained one the step's check fails
+        if batch.get(name) is not None:
+            loss = jnp.where(jnp.any(jnp.isnan(batch[name]) & (mask_NxC > 0)), jnp.nan, loss)
 
     count = jnp.maximum(mask_NxC.sum(), 1.0)
     token_mean = lambda x_NxC: (sg(x_NxC) * mask_NxC).sum() / count
@@ -356,7 +368,7 @@ def loss_from_logprobs(logp_NxC: jax.Array, entropy_NxC: jax.Array, batch: Mappi
         "rl/adv_std": adv_N.std(),
         "rl/adv_max": adv_N.max(),
         "rl/adv_min": adv_N.min(),
-        "rl/response_len": batch["completion_mask"].astype(jnp.float32).sum(-1).mean(),
+        "rl/response_len": sampled_tokens(batch).sum(-1).mean(),
         "rl/pg_token_frac": token_mean(pg_share_NxC),  # share of tokens the policy gradient trains on
         "rl/kl_cov_frac": token_mean(cov_selected_NxC),
         **pg_stats,

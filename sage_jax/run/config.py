@@ -198,6 +198,13 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("rollout.partial", lambda v: isinstance(v, bool), "True or False (partial rollouts)"),
     ("rollout.oversample", lambda v: v >= 1, ">= 1 (groups kept in flight per group trained)"),
     ("rollout.max_lag", lambda v: isinstance(v, int) and v >= 0, "an integer >= 0 (policy versions)"),
+    ("rollout.tools", lambda v: set(v) <= {"python", "calculator"}, "a tuple of 'python', 'calculator' (or ())"),
+    ("rollout.tool_format", lambda v: v in ("markdown", "hermes"), "'markdown' (```python blocks) or 'hermes' "
+                                                                    "(the chat template's <tool_call>)"),
+    ("rollout.max_turns", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1 (tool calls per row)"),
+    ("rollout.tool_timeout", lambda v: v > 0, "> 0 seconds"),
+    ("rollout.max_tool_tokens", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
+    ("rollout.tool_workers", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1 (tool calls at once)"),
     ("loss.beta", lambda v: v >= 0, ">= 0"),
     ("loss.gamma", lambda v: v >= 0, ">= 0"),
     ("loss.tau", lambda v: v > 0, "> 0"),
@@ -276,6 +283,9 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         if dynamic:
             raise ConfigError("--config.rollout.partial=True does not combine with train.dynamic_sampling=True yet: "
                               "set one of them to False")
+    _, tools = _get(config, "rollout.tools")
+    if tools and partial:
+        raise ConfigError("--config.rollout.tools does not combine with rollout.partial=True yet: set one of them off")
     present, ks = _get(config, "eval.ks")
     _, n = _get(config, "eval.n")
     if present and (not ks or any(not isinstance(k, int) or not 1 <= k <= n for k in ks)):

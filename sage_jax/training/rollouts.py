@@ -14,6 +14,7 @@ from sage_jax.models import sharding
 from sage_jax.rl import objectives, packing
 from sage_jax.sampling import sampler
 from sage_jax.data.tokenizer import bucket_length
+from sage_jax.training import tool_rollouts
 
 log = logging.getLogger("sage_jax")
 
@@ -46,6 +47,12 @@ def rollout_phases(task: tasks.Task, cfg, params, examples, rollout_cfg, key, ma
     """rollout() in phases: sampling, and the gather of rows spread over processes, are dispatched (DEVICE); the
     rows are then read and decoded (HOST)."""
     prompts, cut = encode_prompts(task, examples, max_prompt_len)
+    G = rollout_cfg.group_size
+    if tuple(getattr(rollout_cfg, "tools", ())):  # rows pause at tool calls (tool_rollouts.py)
+        ro = tool_rollouts.rollout_tool_rows(task, cfg, params, prompts, rollout_cfg, key)
+        yield HOST
+        return {**ro, "golds": [task.gold(ex) for ex in examples for _ in range(G)],
+                "prompts": [task.prompt_text(ex) for ex in examples for _ in range(G)], "prompts_cut": cut}
     out = sampler.generate(cfg, params, prompts, max_new_tokens=rollout_cfg.max_new_tokens,
                            temperature=rollout_cfg.temperature, top_p=rollout_cfg.top_p, top_k=rollout_cfg.top_k,
                            min_p=rollout_cfg.min_p, eos_ids=cfg.eos_token_ids, seed=key,
@@ -55,7 +62,6 @@ def rollout_phases(task: tasks.Task, cfg, params, examples, rollout_cfg, key, ma
     out = sharding.gather(out)  # every process gets all rows (all-gathered across hosts): dispatched here
     yield HOST
     out = sharding.to_host(out)
-    G = rollout_cfg.group_size
     lengths = np.asarray(out.lengths)
     texts = [task.tokenizer.decode(row[:n]) for row, n in zip(np.asarray(out.tokens), lengths)]
     return {"prompt_tokens": np.asarray(out.prompt_tokens), "prompt_mask": np.asarray(out.prompt_mask),
@@ -63,6 +69,13 @@ def rollout_phases(task: tasks.Task, cfg, params, examples, rollout_cfg, key, ma
             "sampler_logp": np.asarray(out.logprobs), "texts": texts,
             "golds": [task.gold(ex) for ex in examples for _ in range(G)],
             "prompts": [task.prompt_text(ex) for ex in examples for _ in range(G)], "prompts_cut": cut}
+
+
+def samples(ro: dict[str, Any], n: int) -> list[dict[str, Any]]:
+    """The first n rows for samples.jsonl: prompt, completion, reward, and with tools each turn (the model's text
+    and each tool's output)."""
+    return [{"prompt": ro["prompts"][i], "completion": ro["texts"][i], "reward": float(ro["rewards"][i]),
+             **({"turns": ro["messages"][i][1:]} if "messages" in ro else {})} for i in range(min(n, len(ro["texts"])))]
 
 
 def encode_prompts(task: tasks.Task, examples, max_prompt_len: int) -> tuple[list[list[int]], int]:
@@ -135,6 +148,7 @@ def collect_phases(task: tasks.Task, cfg, config, pool, params, rl_step: int):
         if kept >= B:
             break
     cut = sum(part.pop("prompts_cut", 0) for part in parts)
+    tool_stats = [part.pop("tool_stats") for part in parts if "tool_stats" in part]
     ro = concat_rollouts(parts, cfg.pad_token_id)
     zero_var = np.asarray(objectives.zero_variance_groups(ro["rewards"], G))
     stats = {"rl/zero_var_groups": float(zero_var[:B].mean()) if not tr.dynamic_sampling else float(zero_var.mean()),
@@ -145,6 +159,7 @@ def collect_phases(task: tasks.Task, cfg, config, pool, params, rl_step: int):
         order = np.concatenate([np.flatnonzero(~same_accuracy), np.flatnonzero(same_accuracy)])[:B]
         ro = take_rows(ro, (order[:, None] * G + np.arange(G)).reshape(-1))
         stats["rl/resample_rounds"] = float(len(parts) - 1)
+    stats.update({k: float(np.mean([t[k] for t in tool_stats])) for k in (tool_stats[0] if tool_stats else ())})
     stats.update(pool.take_counts())
     return ro, stats
 
@@ -211,6 +226,13 @@ def build_batch(ro: dict[str, Any], advantages: np.ndarray, pad_id: int, max_new
         "sampler_logp": np.where(comp_mask, ro["sampler_logp"][:, :C], 0.0).astype(np.float32),
         "truncated": ~ro["finished"],
     }
+    if ro.get("sampled_mask") is not None:  # multi-turn rows: observed tokens are attended to, never trained
+        sampled = comp_mask & (np.asarray(ro["sampled_mask"])[:, :C] > 0)
+        bad = np.argwhere(sampled & ~np.isfinite(batch["sampler_logp"]))
+        if len(bad):
+            raise ValueError(f"row {bad[0][0]}, completion token {bad[0][1]}: a sampled token has a NaN behaviour "
+                             "log-prob (NaN marks observed tokens); the row's segments and log-probs disagree")
+        batch["sampled_mask"] = sampled.astype(np.float32)
     if not packed:
         return batch
     return packing.pack_if_smaller(batch, slices, rows_multiple, pad_id, row_groups)

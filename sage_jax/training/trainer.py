@@ -95,13 +95,13 @@ def rl_step(ctx: RLContext, state, step: int, collect: CollectFn) -> StepOutput:
         keep = lambda a: a
         view = functools.partial(packing.to_rows, row_index=batch["row_index"]) if packed else keep
         back = functools.partial(packing.from_rows, row_index=batch["row_index"]) if packed else keep
-        rows = {k: view(dev[k]) for k in ("completion_mask", "old_logp", "ref_logp")}
+        rows = {k: view(dev[k]) for k in ("completion_mask", "sampled_mask", "old_logp", "ref_logp") if k in dev}
         if lc.kl_in_reward:
             dev["advantages"] = back(_advantages_with_kl_penalty(ctx, ro, rows, view(old_entropy), step))
         if sequence_kl:
             dev["seq_kl_coef"] = back(objectives.forward_kl_coefficients(
                 rows["old_logp"], rows["ref_logp"], _old_log_q(ctx, rows, view(old_entropy), step),
-                rows["completion_mask"], ctx.group_size))
+                objectives.sampled_tokens(rows), ctx.group_size))
         clock.lap("old", dev)
     if ctx.off_policy:
         dev["old_logp"] = dev["sampler_logp"]
@@ -175,15 +175,15 @@ def _old_log_q(ctx: RLContext, dev, entropy, rl_step: int):
     """The guide's log q from the pre-update policy (for terms computed once per RL step, outside the loss)."""
     lc = ctx.loss_cfg
     key = jax.random.fold_in(jax.random.key(ctx.seed + 1), rl_step)
-    return guides.compute_log_q(lc.guide.name, dev["old_logp"], entropy, dev["completion_mask"], key, lc.guide,
-                                rl_step)
+    return guides.compute_log_q(lc.guide.name, dev["old_logp"], entropy, objectives.sampled_tokens(dev), key,
+                                lc.guide, rl_step)
 
 
 def _advantages_with_kl_penalty(ctx: RLContext, ro, dev, entropy, rl_step: int):
     """KL as a k1 penalty in the reward: r - beta * sum_t (logp - ref_logp - log q), then group-normalised."""
     lc = ctx.loss_cfg
     penalty = objectives.kl_reward_penalty(dev["old_logp"], dev["ref_logp"], _old_log_q(ctx, dev, entropy, rl_step),
-                                           dev["completion_mask"], lc.beta)
+                                           objectives.sampled_tokens(dev), lc.beta)
     return objectives.group_advantages(jnp.asarray(ro["rewards"]) + penalty, ctx.group_size, scale=lc.adv_scale,
                                        eps=lc.adv_eps, ddof=lc.std_ddof, estimator=lc.adv_estimator)
 
@@ -285,8 +285,7 @@ def run_rl(config, workdir: str, task: tasks.Task | None = None, params_override
                 logger.log(step, host)
                 progress.update(step + 1, host)
                 if tr.sample_every and step % tr.sample_every == 0:
-                    logger.log_samples(step, [{"prompt": p, "completion": c, "reward": float(r)} for p, c, r in
-                                              zip(ro["prompts"][:4], ro["texts"][:4], ro["rewards"][:4])])
+                    logger.log_samples(step, rollouts.samples(ro, 4))
                 done = step + 1
                 if done % tr.ckpt_every == 0 or done == tr.steps:
                     report(late.flush())

@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 
 from sage_jax.training import rollouts
 
@@ -26,6 +27,18 @@ def test_build_batch_trims_to_a_bucket_and_masks_past_each_length():
     assert (batch["sampler_logp"][batch["completion_mask"] == 0] == 0).all()
     np.testing.assert_array_equal(batch["truncated"], [False, True, False, False])
     assert batch["tokens"].dtype == np.int32 and batch["advantages"].dtype == np.float32
+
+
+def test_build_batch_multi_turn_rows_attend_to_observed_tokens_and_train_on_sampled_ones():
+    ro = _ro([6, 4], C=8)
+    ro["sampled_mask"] = np.array([[1, 1, 0, 0, 1, 1, 0, 0], [1, 0, 0, 1, 0, 0, 0, 0]], np.int32)
+    ro["sampler_logp"][ro["sampled_mask"] == 0] = np.nan  # observed tokens carry NaN behaviour log-probs
+    batch = rollouts.build_batch(ro, np.zeros(2, np.float32), pad_id=0, max_new_tokens=8)
+    np.testing.assert_array_equal(batch["completion_mask"].sum(1), [6, 4])  # real tokens, attention and packing
+    np.testing.assert_array_equal(batch["sampled_mask"], ro["sampled_mask"][:, :8] * batch["completion_mask"])
+    ro["sampled_mask"][0, 2] = 1
+    with pytest.raises(ValueError, match="row 0, completion token 2: a sampled token has a NaN"):
+        rollouts.build_batch(ro, np.zeros(2, np.float32), pad_id=0, max_new_tokens=8)
 
 
 def test_build_batch_never_exceeds_max_new_tokens():
