@@ -39,10 +39,13 @@ BASE_KEYS = ("model.", "data.", "eval.", "seed", "experiment.data_seed", "experi
 ENTROPY_KEYS = ("model.", "data.", "rollout.", "experiment.data_seed", "experiment.entropy_")
 # settings added after results were made, left out while they hold the value that computes what the results did
 # (so a committed result keeps its fingerprint): with rollout.partial off, oversample and max_lag are never read;
-# the decode attention's platform default is the form the results were made with.
+# the decode attention's platform default is the form the results were made with; without tools, none of their
+# settings is read (a tuple setting reads as a list here).
 # tests/experiments/test_study.py re-renders both committed studies: a setting added without an entry here fails it.
 INERT = {"rollout.partial": (False, ("rollout.partial", "rollout.oversample", "rollout.max_lag")),
-         "rollout.decode_attention": ("auto", ("rollout.decode_attention",))}
+         "rollout.decode_attention": ("auto", ("rollout.decode_attention",)),
+         "rollout.tools": ([], ("rollout.tools", "rollout.tool_format", "rollout.max_turns", "rollout.tool_timeout",
+                                "rollout.max_tool_tokens", "rollout.tool_workers"))}
 
 
 class Job(NamedTuple):
