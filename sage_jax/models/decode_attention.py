@@ -121,6 +121,9 @@ def _gpu(q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, start_B, end_B, interpret: bool) -> ja
     from jax.experimental.pallas.ops.gpu import decode_attention
     B, K, G, H = q_BxKxGxH.shape
     S = k_BxKxSxH.shape[2]
+    if S % 16:  # Triton's blocks are at least 16 slots (the sampler's caches are multiples of 16: never padded)
+        pad = [(0, 0), (0, 0), (0, -S % 16), (0, 0)]
+        k_BxKxSxH, v_BxKxSxH, S = jnp.pad(k_BxKxSxH, pad), jnp.pad(v_BxKxSxH, pad), S + (-S % 16)
     block = math.gcd(S, BLOCK)  # both must divide the cache: each split a whole number of blocks
     splits = max(d for d in range(1, min(GPU_SPLITS, S // block) + 1) if (S // block) % d == 0)
     # gqa takes [B, S, K, H] and swaps the axes back: the two transposes cancel in XLA
