@@ -274,9 +274,10 @@ def test_hf_export_loads_in_transformers_and_round_trips_a_prompt(tmp_path):
 
 
 def test_resume_with_another_model_names_the_fields(tmp_path):
-    from sage_jax.run.checkpoint import CheckpointError
+    """The settings are compared before the weights (issue 50, item 16): the changed model fields are named."""
     trainer.run_rl(_tiny(**{"train.steps": 1}), str(tmp_path))
-    with pytest.raises(CheckpointError, match=r"hidden_size: checkpoint 64, config 32; intermediate_size"):
+    with pytest.raises(config_lib.ConfigError,
+                       match=r"model.hidden_size: checkpoint 64, now 32; model.intermediate_size: checkpoint 128"):
         trainer.run_rl(_tiny(**{"train.steps": 2, "model.hidden_size": 32, "model.intermediate_size": 64}),
                        str(tmp_path))
 
