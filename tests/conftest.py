@@ -11,6 +11,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), "sage_jax_test_jit_cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import sage_jax  # noqa: E402,F401  sizes XLA:CPU's thread pool for the 8 simulated devices (sage_jax/__init__.py)
 
 
 def _memory_maps() -> int:
