@@ -104,7 +104,7 @@ def _write(url: str, name: str, data: bytes) -> None:
 def _env(url: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TENSORSTORE_GCS", "FSSPEC_GCS", "GCSFS_"))}
     return dict(env, STORAGE_EMULATOR_HOST=url, XLA_FLAGS="--xla_force_host_platform_device_count=1",
-                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), SAGE_LEASE_BEAT_S="1")
+                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), SAGE_LEASE_BEAT_S="5")
 
 
 def _train(workdir: str, *overrides: str) -> list[str]:
