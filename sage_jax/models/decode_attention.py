@@ -54,9 +54,9 @@ def attend(platform: str, q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, start_B, end_B, inter
         kernel = functools.partial(_gpu, interpret=interpret)
     else:
         kernel = functools.partial(_tpu, interpret=interpret or platform != "tpu")
-    rows_heads = ("batch", "kv_heads", None, None)
+    rows_heads = ("decode_rows", "kv_heads", None, None)
     return sharding.per_shard(kernel, (q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, start_B, end_B),
-                              (rows_heads,) * 3 + (("batch",),) * 2, rows_heads)
+                              (rows_heads,) * 3 + (("decode_rows",),) * 2, rows_heads)
 
 
 def _tpu(q_BxKxGxH, k_BxKxSxH, v_BxKxSxH, start_B, end_B, interpret: bool) -> jax.Array:

@@ -96,10 +96,13 @@ def _block(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, allowed_BxTxS, 
     q = constrain(q, ("batch", "seq", "heads", "head_dim"))
     inv_freq, scale = rope_frequencies(cfg)
     q, k = rope_lib.apply(q, positions_BxT, inv_freq, scale), rope_lib.apply(k, positions_BxT, inv_freq, scale)
-    if kv_cache is not None:
+    if kv_cache is not None:  # the cache's rows split as "decode_rows" (sharding.decode_rules), the token's as "batch"
+        q = constrain(q, ("decode_rows", "seq", "heads", "head_dim"))
+        k, v = (constrain(x, ("decode_rows", "seq", "kv_heads", "head_dim")) for x in (k, v))
         kv_cache = tuple(cache_lib.write(c, x, cache_index, cache_groups, cache_layer, forms)
                          for c, x in zip(kv_cache, (k, v)))
         attn = cache_lib.cached_attention(q, *kv_cache, allowed_BxTxS, cache_groups, cache_layer, cdt, forms)
+        attn = constrain(attn, ("batch", "seq", "heads", "head_dim"))
     elif segment_ids_BxT is not None:
         attn = attention_lib.attend(cfg.attention, q, k, v, segment_ids_BxT, cfg.attention_block)
     else:
@@ -167,7 +170,7 @@ def unembed_matrix(cfg: ModelConfig, params: Params) -> jax.Array:
 
 def logits_from_hidden(cfg: ModelConfig, params: Params, h_BxTxD: jax.Array) -> jax.Array:
     logits = matmul("btd,dv->btv", h_BxTxD, unembed_matrix(cfg, params), preferred_element_type=jnp.float32)
-    return constrain(logits, ("batch", "seq", "vocab"))
+    return constrain(logits, ("decode_rows", "seq", "vocab"))
 
 
 @functools.partial(jax.jit, static_argnums=0)

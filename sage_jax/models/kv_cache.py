@@ -41,7 +41,7 @@ def init_cache(cfg, batch: int, max_len: int, dtype: str | None = None, stacked:
 
 def cache_axes(stacked: bool = False) -> tuple[str, ...]:
     """A cache array's logical axes (sharding.constrain)."""
-    return ("batch",) + ("layers",) * stacked + ("kv_heads", "cache_seq", "head_dim")
+    return ("decode_rows",) + ("layers",) * stacked + ("kv_heads", "cache_seq", "head_dim")
 
 
 def cache_rows(c, rows: int, groups: int = 1, start=0, length: int | None = None, layer=None) -> jax.Array:

@@ -65,9 +65,8 @@ class SamplerPlan:
 
 def constrain_cache(cache):
     """A KV cache (stacked: a (k, v) pair; or a list of per-layer pairs) annotated with its logical axes."""
-    if isinstance(cache, list):
-        return [tuple(sharding_lib.constrain(c, kv_cache.cache_axes()) for c in kv) for kv in cache]
-    return tuple(sharding_lib.constrain(c, kv_cache.cache_axes(stacked=True)) for c in cache)
+    one = lambda c: sharding_lib.constrain(c, kv_cache.cache_axes(stacked=c.ndim == 5))  # [R, (L,) K, S, H]
+    return [tuple(map(one, kv)) for kv in cache] if isinstance(cache, list) else tuple(map(one, cache))
 
 
 class _Out(NamedTuple):
@@ -273,10 +272,11 @@ def _step(ctx: _Ctx, pool: _Pool, out: _Out) -> tuple[_Pool, _Out]:
     # The weights pass a barrier with the step count, so XLA cannot hoist their all-gathers (and XLA:CPU its
     # float32 copies of 16-bit weights) out of the loop: that held the whole model gathered beside the cache.
     params, _ = jax.lax.optimization_barrier((ctx.params, pool.steps))
-    h_Wx1xD, cache = model_lib.forward_with_cache(ctx.cfg, params, pool.last_S[:, None], positions_Wx1,
-                                                  pool.cache, index_W, kv_mask_WxT, return_hidden=True,
-                                                  cache_groups=ctx.groups, forms=ctx.forms)
-    logits_WxV = model_lib.logits_from_hidden(ctx.cfg, params, h_Wx1xD)[:, 0]
+    with sharding_lib.use_rules(sharding_lib.decode_rules(ctx.forms.stationary_weights)):  # TPU/GPU: weights stay
+        h_Wx1xD, cache = model_lib.forward_with_cache(ctx.cfg, params, pool.last_S[:, None], positions_Wx1,
+                                                      pool.cache, index_W, kv_mask_WxT, return_hidden=True,
+                                                      cache_groups=ctx.groups, forms=ctx.forms)
+        logits_WxV = model_lib.logits_from_hidden(ctx.cfg, params, h_Wx1xD)[:, 0]
     tok_W, logp_W = ctx.sample(logits_WxV, row_keys(ctx.rows.key_N[row_W], pool.pos_S, ctx.rows.id_N[row_W]))
     out = _record(ctx, out, pool.row_S, pool.pos_S, active_W, tok_W, logp_W)
     return pool._replace(pos_S=pool.pos_S + active_W, last_S=tok_W, cache=constrain_cache(cache),

@@ -72,3 +72,24 @@ def test_global_batch_rows_and_host_round_trip_on_one_process():
     np.testing.assert_array_equal(sharding.allgather_rows(rows), rows)
     assert sharding.data_sharding(mesh, 3).spec == P(("data", "fsdp"), None, None)
     assert sharding.replicated(mesh).is_fully_replicated
+
+
+def test_decode_rules_keep_the_weights_where_they_lie():
+    """A decode step on TPU/GPU (DecodeForms.stationary_weights): token activations split their embed dim over the
+    weights' embed axes and leave those axes off their rows, so no weight is gathered; the cache, attention and
+    logits keep the rows split as "batch" was ("decode_rows")."""
+    rules = sharding.decode_rules(rules=sharding.DEFAULT_RULES)
+    assert rules["batch"] == ("data",) and rules["act_embed"] == "fsdp" and rules["decode_rows"] == ("data", "fsdp")
+    assert {k: v for k, v in rules.items() if k not in ("batch", "act_embed", "decode_rows")} == \
+        {k: v for k, v in sharding.DEFAULT_RULES.items() if k not in ("batch", "act_embed")}
+    assert sharding.logical_to_spec(("batch", "seq", "act_embed"), rules) == P("data", None, "fsdp")
+    assert sharding.logical_to_spec(("decode_rows", "kv_heads", None, None), rules) == \
+        P(("data", "fsdp"), "tensor", None, None)
+    # off (XLA:CPU's forms): the rules as they are; a table without "decode_rows" (older configs) reads "batch"'s
+    assert sharding.decode_rules(False, sharding.DEFAULT_RULES) == dict(sharding.DEFAULT_RULES)
+    assert sharding.logical_to_spec(("decode_rows",), sharding.DEFAULT_RULES) == P(("data", "fsdp"))
+    # embed unsharded: rows keep every axis, nothing changes for the matmuls
+    flat = dict(sharding.DEFAULT_RULES, embed=None)
+    assert sharding.decode_rules(rules=flat)["batch"] == ("data", "fsdp")
+    with sharding.use_rules(flat):
+        assert sharding.decode_rules()["act_embed"] is None
