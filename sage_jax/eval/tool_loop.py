@@ -2,7 +2,7 @@
 decode, and the row comes back into the pool with the tool's output prefilled (sampler.generate's resume). The loop
 needs only the sampler, the tools, data/segments and the tokenizer, so it sits here, below both of its users:
 training/tool_rollouts.py (RL rollouts with rollout.tools) and offline evaluation (`python -m sage_jax.evaluate
---tools ...`, make_eval_generate_fn).
+--tools ...`, eval/tool_eval.py).
 
     fmt = format_for(tokenizer.hf, "markdown", tools)         # or "hermes": the chat template's <tool_call> turns
     with ToolPool(tools, num_workers=8) as pool:
@@ -61,7 +61,8 @@ class ToolFormat:
             end = hf_tokenizer.convert_tokens_to_ids("</tool_call>")
             if end is None or end == hf_tokenizer.unk_token_id or hf_tokenizer.decode([end]) != "</tool_call>":
                 raise ValueError("the hermes call format needs `</tool_call>` as one token of the vocabulary "
-                                 "(Qwen2.5 / Qwen3 have it); use rollout.tool_format='markdown' for this tokenizer")
+                                 "(Qwen2.5 / Qwen3 have it); use the markdown format for this tokenizer (rollout.tool_format "
+                                 "or evaluate's --tool-format)")
             self.end_ids = (int(end),)
             self.turns = ToolTurns(hf_tokenizer, "template", template_kwargs={"tools": [t.schema for t in
                                                                                           tools.values()]})
@@ -304,29 +305,3 @@ def bind_sampler(cfg, params, sampling: dict[str, Any], key, min_rows: int, slot
 def sampled_texts(ro: dict[str, Any], decode: Callable) -> list[str]:
     """Each row's own text: its sampled tokens only, never a tool's output (what a reward reads)."""
     return [decode(row[:n][mask[:n] > 0]) for row, n, mask in zip(ro["tokens"], ro["lengths"], ro["sampled_mask"])]
-
-
-def make_eval_generate_fn(cfg, params, decode: Callable, sampling: dict[str, Any], seed: int, max_rows: int,
-                          fmt: ToolFormat, pool: ToolPool, settings: ToolSettings) -> Callable:
-    """passk.make_generate_fn with tools: generate_fn(prompts, n, pad_to=0) -> passk.Completions: the texts a reward
-    reads (each row's sampled tokens only), and per prompt each sample's turns (the model's text and each tool's
-    output, as training's samples.jsonl) and tool counts. Keys and chunks as make_generate_fn's; the prompts are not
-    padded (a padding prompt's rows would call tools too), the calls that carry rows back are, to one size."""
-    import jax
-    from sage_jax.eval.passk import Completions, sampling_chunks
-
-    def generate_fn(prompts: list[list[int]], n: int, pad_to: int = 0) -> Completions:
-        B, per_call, key = sampling_chunks(prompts, n, pad_to, max_rows, seed)
-        texts: list[list[str]] = [[] for _ in prompts]
-        extra: list[dict[str, list]] = [{"turns": [], "tools": []} for _ in prompts]
-        for chunk in range(n // per_call):
-            chunk_key = jax.random.fold_in(key, chunk)
-            fn = bind_sampler(cfg, params, sampling, chunk_key, min_rows=B * per_call + 1)
-            ro = generate_with_tools(fn, prompts, per_call, fmt, pool, settings, sampling["max_new_tokens"],
-                                     chunk_key)
-            for r, text in enumerate(sampled_texts(ro, decode)):
-                texts[r // per_call].append(text)
-                extra[r // per_call]["turns"].append(ro["messages"][r][1:])
-                extra[r // per_call]["tools"].append(ro["row_tools"][r])
-        return Completions(texts, extra)
-    return generate_fn
