@@ -243,7 +243,8 @@ def generate_with_tools(generate_fn: Callable, prompts: Sequence[Sequence[int]],
         stop = 1 + max(1, math.ceil(settings.return_share * len(back)))
         out = generate_fn([prompts[0]], 1, [r.resumed(key) for r in back], stop, [1], fmt.end_ids)
         calls += 1
-        out = type(out)(**{k: (v[1:] if k != "steps" and v is not None else v) for k, v in out._asdict().items()})
+        out = type(out)(**{k: (v[1:] if v is not None and np.ndim(v) else v)  # the per-row fields, not the counts
+                           for k, v in out._asdict().items()})
         running, false_stops = _absorb(out, back, fmt, pool, settings)
     return _arrays(rows, max_new_tokens, waited, time.perf_counter() - t0, calls)
 
