@@ -216,3 +216,21 @@ def test_evaluate_with_tools_on_the_real_sampler(tiny_set, tmp_path, monkeypatch
     assert all("Error" not in c for c in record["completions"])  # the tool's output is not the model's text
     results = json.loads((tmp_path / "a" / "arith" / "results.json").read_text())
     assert results["tools"]["calls_per_row"] == made / 2 and results["tools"]["errors"] == made
+
+
+def test_a_training_runs_tools_are_the_default():
+    """A workdir's rollout.tools and limits apply unless a flag says otherwise; --tools none turns them off."""
+    from sage_jax.eval import tool_eval
+    from sage_jax.run import config as config_lib
+    run_config = config_lib.load("configs/tiny_test.py", ["--config.rollout.tools=('calculator',)",
+                                                          "--config.rollout.tool_format=hermes",
+                                                          "--config.rollout.max_turns=2"])
+    args = evaluate.parse_args(["--model", "x"])
+    assert tool_eval.tool_options(args, run_config) == {
+        "tools": ["calculator"], "tool_format": "hermes", "max_turns": 2, "tool_timeout": 5.0, "max_tool_tokens": 512,
+        "tool_workers": 8}
+    args = evaluate.parse_args(["--model", "x", "--tools", "python", "--tool-format", "markdown", "--max-turns", "3"])
+    opts = tool_eval.tool_options(args, run_config)
+    assert (opts["tools"], opts["tool_format"], opts["max_turns"]) == (["python"], "markdown", 3)
+    assert tool_eval.tool_options(evaluate.parse_args(["--model", "x", "--tools", "none"]), run_config) == {}
+    assert tool_eval.tool_options(evaluate.parse_args(["--model", "x"]), None) == {}
