@@ -286,8 +286,9 @@ def evaluate(
     """Sample n completions per problem, score them, log them (resumable) and write pass@k tables and a plot.
 
     generate_fn(prompt_token_lists, num_samples) -> completions text, one list of num_samples per prompt (see
-    make_generate_fn), or Completions (texts and extra record fields: with tools, each sample's turns). Writes out_dir/{samples.jsonl, results.json,
-    results.md, pass_at_k.png} and returns the results dict.
+    make_generate_fn), or Completions (texts and extra record fields: with tools, each sample's turns). Writes
+    out_dir/{samples.jsonl, results.json, results.md, pass_at_k.png} (results.json with the tool metrics where the
+    samples used tools) and returns the results dict.
     """
     from sage_jax.data.tasks import encode_prompt_text
     from sage_jax.data.templates import render

@@ -61,8 +61,8 @@ class ToolFormat:
             end = hf_tokenizer.convert_tokens_to_ids("</tool_call>")
             if end is None or end == hf_tokenizer.unk_token_id or hf_tokenizer.decode([end]) != "</tool_call>":
                 raise ValueError("the hermes call format needs `</tool_call>` as one token of the vocabulary "
-                                 "(Qwen2.5 / Qwen3 have it); use the markdown format for this tokenizer (rollout.tool_format "
-                                 "or evaluate's --tool-format)")
+                                 "(Qwen2.5 / Qwen3 have it); use the markdown format for this tokenizer "
+                                 "(rollout.tool_format or evaluate's --tool-format)")
             self.end_ids = (int(end),)
             self.turns = ToolTurns(hf_tokenizer, "template", template_kwargs={"tools": [t.schema for t in
                                                                                           tools.values()]})
