@@ -10,7 +10,8 @@ The package's folders, lowest floor first; each may import only the folders on t
   sampling/     the sampler: KV-cache decoding in a pool of slots; top-k/top-p filters             -> models
   rl/           group advantages, guides (q), objectives (the SAGE loss), packing                  -> models
   run/          config files and flags, checkpoints, metrics, the workdir lock and resume guard    -> models, rewards
-  eval/         pass@k, offline evaluation, model sources, answer patterns        -> sampling, run, data, rewards
+  eval/         pass@k, offline evaluation, model sources, answer patterns, the tool-call rollout loop
+                                                                             -> sampling, run, data, rewards, tools
   training/     the RL step and loop, rollouts, off-policy pipeline, SFT, the train state   -> everything above
   bench/ experiments/ plan/   benchmarks, studies, the ahead-of-time planner: on top, outside the core
 

@@ -10,6 +10,9 @@ drew the samples; resuming with other sampling settings (or another model / chec
 --model: an HF directory (config.json + *.safetensors + tokenizer files), or a training workdir: its hf_export/ if
 present (--step S: that RL checkpoint instead), else the newest checkpoint under WORKDIR/rl, rebuilt from the run's
 WORKDIR/config.json.
+--tools python (or a workdir whose rollout.tools is set): samples pause at their tool calls, the tools run, the
+samples resume with the output as tokens the model reads; the reward reads the model's own text only. samples.jsonl
+then holds each sample's turns and tool counts, results.json the tool metrics (calls per row, errors, timeouts).
 Datasets: registered names (math500, aime24, aime25, amc23, gsm8k, kk, kk:people5, ...), local .jsonl/.parquet files
 or folders, countdown and countdown_ood (regenerated as the training run made them; loaders' defaults without a
 run config).
@@ -58,6 +61,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--reward-workers", type=int, default=min(8, os.cpu_count() or 1),
                    help="reward worker processes (0 = score in this process)")
     p.add_argument("--reward-timeout", type=float, default=10.0, help="seconds per scored completion")
+    # tools: the model calls them mid-answer (eval/tool_loop.py); default: a training workdir's own rollout.tools
+    p.add_argument("--tools", default=None, help="comma-separated tools the model may call: python, calculator "
+                   "('none': no tools; default: the run's rollout.tools, else none)")
+    p.add_argument("--tool-format", choices=("markdown", "hermes"), default=None,
+                   help="call format: ```python blocks or the chat template's <tool_call> (default: the run's, "
+                   "else markdown)")
+    p.add_argument("--max-turns", type=int, default=None, help="tool calls per sample (default: the run's, else 4)")
+    p.add_argument("--tool-timeout", type=float, default=None, help="seconds per call (default: the run's, else 5)")
+    p.add_argument("--max-tool-tokens", type=int, default=None,
+                   help="tokens of a tool's output kept, head and tail (default: the run's, else 512)")
+    p.add_argument("--tool-workers", type=int, default=None, help="calls run at once (default: the run's, else 8)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 

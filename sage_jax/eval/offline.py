@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from sage_jax.eval import passk as evaluation
+from sage_jax.eval import tool_eval
 from sage_jax.eval.source import ModelSource, default_out, load_model, load_tokenizer, resolve_model
 from sage_jax.run import paths
 
@@ -147,13 +148,14 @@ class PooledScorer:
         self.cache: dict[tuple[str, str], float] = {}
 
     def wrap(self, generate_fn: evaluation.GenerateFn) -> evaluation.GenerateFn:
-        def scored_generate_fn(prompts: list[list[int]], n: int) -> list[list[str]]:
-            texts = generate_fn(prompts, n)
+        def scored_generate_fn(prompts: list[list[int]], n: int) -> list[list[str]] | evaluation.Completions:
+            out = generate_fn(prompts, n)
+            texts = out.texts if isinstance(out, evaluation.Completions) else out  # the model's own text
             items = {(k, t): g for p, ts in zip(prompts, texts)
                      for k, g in self.golds_by_prompt.get(tuple(p), {}).items() for t in ts}
             rewards = self.pool.score([t for _, t in items], list(items.values())) if items else []
             self.cache = {key: float(r) for key, r in zip(items, rewards)}
-            return texts
+            return out
         return scored_generate_fn
 
     def __call__(self, text: str, ex: Any) -> float:
@@ -172,7 +174,8 @@ def check_settings(out: Path, settings: dict[str, Any]) -> None:
         saved = paths.read_agreed(path)  # process 0's file on every process: all refuse or go on alike
         if saved is not None:
             old = json.loads(saved)
-            changed = {k: (old.get(k), v) for k, v in settings.items() if old.get(k) != v}
+            changed = {k: (old.get(k), settings.get(k)) for k in [*settings, *(set(old) & tool_eval.TOOL_SETTINGS)]
+                       if old.get(k) != settings.get(k)}  # samples with tools are not resumed without, nor back
             if changed:
                 what = ", ".join(f"{k} was {a!r}, now {b!r}" for k, (a, b) in changed.items())
                 raise ValueError(f"{out} holds samples drawn with other settings ({what}); rerun with the same "
@@ -189,15 +192,46 @@ def write_summary(out: Path, results: dict[str, dict[str, Any]], ks: Sequence[in
     average = {k: float(np.mean([t[k] for t in tables.values()])) for k in ks}
     summary = {"settings": settings, "ks": list(ks),
                "datasets": {name: {"num_problems": results[name]["num_problems"],
-                                   **{f"pass@{k}": v for k, v in t.items()}} for name, t in tables.items()},
+                                   **{f"pass@{k}": v for k, v in t.items()},
+                                   **({"tools": results[name]["tools"]} if "tools" in results[name] else {})}
+                            for name, t in tables.items()},
                "average": {f"pass@{k}": v for k, v in average.items()}}
     evaluation.write_json(out / "summary.json", summary)
     rows = {**{f"{name} ({results[name]['num_problems']})": t for name, t in tables.items()}, "average": average}
     title = (f"pass@k of {settings['model']} (n={settings['n']}, temperature={settings['temperature']}, "
-             f"top_p={settings['top_p']}, max_new_tokens={settings['max_new_tokens']})")
+             f"top_p={settings['top_p']}, max_new_tokens={settings['max_new_tokens']}"
+             + (f", tools={','.join(settings['tools'])}" if settings.get("tools") else "") + ")")
     evaluation.write_markdown(out / "summary.md", rows, ks, title=title)
     evaluation.plot_pass_at_k({**tables, "average": average}, out / "pass_at_k.png", title=Path(settings["model"]).name)
     return summary
+
+
+class LazySampler:
+    """generate_fn(prompts, n, pad_to=0) for evaluation.evaluate: the model loads on the first batch to sample (a
+    finished run never loads it), then samples plainly (evaluation.make_generate_fn) or with tools
+    (tool_eval.make_eval_generate_fn, the calls in self.pool)."""
+
+    def __init__(self, source: ModelSource, tokenizer: Any, placement: tuple, sampling: dict[str, Any], seed: int,
+                 max_rows: int, tooling: tool_eval.Tooling | None):
+        self.source, self.tokenizer, self.placement, self.sampling = source, tokenizer, placement, sampling
+        self.seed, self.max_rows, self.tooling = seed, max_rows, tooling
+        self.pool: Any = None
+        self.fn: Callable | None = None
+
+    def __call__(self, prompts: list[list[int]], n: int, pad_to: int = 0):
+        if self.fn is None:
+            source, decode = self.source, self.tokenizer.decode
+            print(f"loading {source.kind} model from {source.path}" + (f" (step {source.step})" if source.step
+                  else ""), file=sys.stderr)
+            cfg, params = load_model(source, self.tokenizer, *self.placement)
+            if self.tooling is None:
+                self.fn = evaluation.make_generate_fn(cfg, params, decode, self.sampling, self.seed, self.max_rows)
+            else:
+                self.fn = tool_eval.make_eval_generate_fn(cfg, params, decode, self.sampling, self.seed,
+                                                          self.max_rows, self.tooling.fmt, self.pool,
+                                                          self.tooling.settings)
+        return self.fn(prompts, n, pad_to)
+
 
 # ------------------------------------------------------------------------------------------------ run
 
@@ -244,18 +278,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if key in datasets:
             raise ValueError(f"dataset {name!r} is listed twice (or two names map to the folder {key!r})")
         datasets[key] = (name, reward_for(name, task), load_examples(name, data_dir, args.limit, run_config, data_seed))
+    tool_opts = tool_eval.tool_options(args, run_config)
     tokenizer = load_tokenizer(source, task, args.tokenizer)
+    tooling = tool_eval.make_tooling(tool_opts, tokenizer)  # before the model loads: what cannot run is named first
     dtype = args.dtype or (str(run_config.model.compute_dtype) if run_config is not None else "bfloat16")
     out = paths.path(args.out) if args.out else default_out(source)  # a local folder or a gs:// prefix
     settings = {"model": paths.absolute(source.path), "source": source.kind, "step": source.step, "task": task,
                 "n": args.n, "template": args.template or "auto", "temperature": args.temperature,
                 "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
-                "max_new_tokens": args.max_new_tokens, "seed": args.seed, "data_seed": data_seed, "dtype": dtype}
+                "max_new_tokens": args.max_new_tokens, "seed": args.seed, "data_seed": data_seed, "dtype": dtype,
+                **{k: v for k, v in tool_opts.items() if k != "tool_workers"}}  # (no tool keys without tools)
     import jax
     from sage_jax.data import tasks
     from sage_jax.models import sharding
     from sage_jax.data.templates import render, resolve_for as resolve_template
     from sage_jax.rewards.pool import RewardPool
+    from sage_jax.tools.base import ToolPool
     try:
         mesh = sharding.make_mesh(tuple(parse_ints(args.mesh, "--mesh")))
     except ValueError as e:
@@ -265,25 +303,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     batch_problems = args.batch_problems or max(1, args.max_rows // args.n)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, min_p=args.min_p)
-    loaded: dict[str, Any] = {}
-
-    def generate_fn(prompts: list[list[int]], n: int, pad_to: int = 0) -> list[list[str]]:
-        if "fn" not in loaded:  # the model loads on the first batch to sample: a finished run never loads it
-            print(f"loading {source.kind} model from {source.path}" + (f" (step {source.step})" if source.step
-                  else ""), file=sys.stderr)
-            cfg, params = load_model(source, tokenizer, dtype, mesh, rules)
-            loaded["fn"] = evaluation.make_generate_fn(cfg, params, tokenizer.decode, sampling, args.seed, args.max_rows)
-        return loaded["fn"](prompts, n, pad_to)
+    generate_fn = LazySampler(source, tokenizer, (dtype, mesh, rules), sampling, args.seed, args.max_rows, tooling)
 
     results = {}
     pools: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         stack.enter_context(jax.set_mesh(mesh))
         stack.enter_context(sharding.use_rules(rules))
+        if tooling is not None:
+            generate_fn.pool = stack.enter_context(ToolPool(tooling.tools, num_workers=tool_opts["tool_workers"]))
         for key, (name, reward, examples) in datasets.items():
             template = template_for(reward, args.template, task, run_config)
             if reward != "countdown":  # "chat" / "auto": the model's own chat template around the run's prompts
-                template = resolve_template(run_config.data if run_config is not None else None, tokenizer, template)
+                template = resolve_template(run_config.data if run_config is not None else None, tokenizer, template,
+                                            tools=tooling.schemas if tooling is not None else None)
             if reward not in pools:
                 pools[reward] = stack.enter_context(RewardPool(reward, num_workers=args.reward_workers,
                                                                timeout_s=args.reward_timeout))

@@ -9,7 +9,7 @@ import json
 import math
 import os
 import zlib
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -19,7 +19,14 @@ from sage_jax.run import paths
 from sage_jax.sampling import sampler
 
 RewardFn = Callable[[str, Any], float]  # (completion text, Example) -> reward in [0, 1]
-GenerateFn = Callable[[list[list[int]], int], list[list[str]]]
+GenerateFn = Callable[[list[list[int]], int], "list[list[str]] | Completions"]
+
+
+class Completions(NamedTuple):
+    """What a generate_fn may return instead of bare texts: the texts the reward reads (num_samples per prompt), and
+    per prompt the extra fields of its samples.jsonl record (with tools: "turns" and "tools", one per sample)."""
+    texts: list[list[str]]
+    extra: list[dict[str, Any]]
 
 # ------------------------------------------------------------------------------------------------ pass@k
 
@@ -195,20 +202,27 @@ def summarize(records: Sequence[Mapping[str, Any]], ks: Iterable[int]) -> dict[i
 
 # ------------------------------------------------------------------------------------------------ sampling
 
+def sampling_chunks(prompts: list[list[int]], n: int, pad_to: int, max_rows: int, seed: int
+                    ) -> tuple[int, int, jax.Array]:
+    """(B prompts a call holds, samples per prompt per call, the batch's key): a short batch counts as pad_to
+    prompts, n is drawn in equal chunks of at most max_rows rows, the key comes from the prompts themselves."""
+    B = max(pad_to, len(prompts))
+    per_call = max([d for d in range(1, n + 1) if n % d == 0 and d * B <= max_rows] or [1])
+    digest = zlib.crc32(np.concatenate([np.asarray(p, np.int64) for p in prompts] + [np.asarray([n])]).tobytes())
+    return B, per_call, jax.random.fold_in(jax.random.key(seed), digest & 0x7FFFFFFF)
+
+
 def make_generate_fn(cfg: Any, params: Any, decode: Callable[[Any], str], sampling: dict[str, Any], seed: int,
                      max_rows: int) -> Callable[..., list[list[str]]]:
     """generate_fn(prompt_token_lists, n, pad_to=0) -> n texts per prompt, for evaluation.evaluate.
 
     A short batch is padded to pad_to prompts and the n samples are drawn in equal chunks of at most max_rows rows,
     so one compiled program serves a whole dataset. The key comes from the prompts themselves: a resumed or re-run
-    batch draws the same samples whatever ran before it.
+    batch draws the same samples whatever ran before it. With tools: tool_loop.make_eval_generate_fn.
     """
     def generate_fn(prompts: list[list[int]], n: int, pad_to: int = 0) -> list[list[str]]:
-        B = max(pad_to, len(prompts))
+        B, per_call, key = sampling_chunks(prompts, n, pad_to, max_rows, seed)
         padded = list(prompts) + [prompts[0]] * (B - len(prompts))
-        per_call = max([d for d in range(1, n + 1) if n % d == 0 and d * B <= max_rows] or [1])
-        digest = zlib.crc32(np.concatenate([np.asarray(p, np.int64) for p in prompts] + [np.asarray([n])]).tobytes())
-        key = jax.random.fold_in(jax.random.key(seed), digest & 0x7FFFFFFF)
         texts: list[list[str]] = [[] for _ in prompts]
         for chunk in range(n // per_call):
             out = sampler.generate(cfg, params, padded, num_samples=per_call, seed=jax.random.fold_in(key, chunk),
@@ -219,6 +233,19 @@ def make_generate_fn(cfg: Any, params: Any, decode: Callable[[Any], str], sampli
                 texts[i] += [decode(tokens[r, :lengths[r]]) for r in rows]
         return texts
     return generate_fn
+
+
+def tool_summary(records: Sequence[Mapping[str, Any]]) -> dict[str, float] | None:
+    """The tool metrics of records sampled with tools (None without): calls and turns per row, rows that never
+    called, and the errors, timeouts and clipped outputs in all."""
+    rows = [t for r in records for t in r.get("tools", ())]
+    if not rows:
+        return None
+    calls = np.array([t["calls"] for t in rows], np.float64)
+    return {"calls_per_row": float(calls.mean()), "turns": float(calls.mean() + 1),
+            "rows_without_calls": float((calls == 0).mean()), "errors": int(sum(t["errors"] for t in rows)),
+            "timeouts": int(sum(t["timeouts"] for t in rows)),
+            "truncations": int(sum(t["truncations"] for t in rows))}
 
 
 # ------------------------------------------------------------------------------------------------ eval loop
@@ -259,8 +286,9 @@ def evaluate(
     """Sample n completions per problem, score them, log them (resumable) and write pass@k tables and a plot.
 
     generate_fn(prompt_token_lists, num_samples) -> completions text, one list of num_samples per prompt (see
-    make_generate_fn). Writes out_dir/{samples.jsonl, results.json,
-    results.md, pass_at_k.png} and returns the results dict.
+    make_generate_fn), or Completions (texts and extra record fields: with tools, each sample's turns). Writes
+    out_dir/{samples.jsonl, results.json, results.md, pass_at_k.png} (results.json with the tool metrics where the
+    samples used tools) and returns the results dict.
     """
     from sage_jax.data.tasks import encode_prompt_text
     from sage_jax.data.templates import render
@@ -291,14 +319,16 @@ def evaluate(
         batch = todo[start:start + batch_problems]
         prompts = [render(template, ex.problem) for _, ex in batch]
         completions = generate_fn([encode_prompt_text(tokenizer, template, p) for p in prompts], n)
+        extra = completions.extra if isinstance(completions, Completions) else [{}] * len(batch)
+        completions = completions.texts if isinstance(completions, Completions) else completions
         if len(completions) != len(batch) or any(len(c) != n for c in completions):
             raise ValueError(f"generate_fn returned {[len(c) for c in completions]} completions for {len(batch)}"
                              f" prompts; expected {n} per prompt")
-        for (pid, ex), prompt, texts in zip(batch, prompts, completions):
+        for (pid, ex), prompt, texts, fields in zip(batch, prompts, completions, extra):
             rewards = [float(reward_fn(t, ex)) for t in texts]
             num_correct = sum(r >= 1.0 for r in rewards)
             recorder.add({"id": pid, "prompt": prompt, "answer": ex.answer, "n": n, "num_correct": num_correct,
-                          "rewards": rewards, "completions": texts})
+                          "rewards": rewards, "completions": texts, **fields})
             solved.append(num_correct / n)
         bar.update(len(batch))
         bar.set_postfix(pass1=f"{np.mean(solved):.3f}")
@@ -307,6 +337,9 @@ def evaluate(
     table = summarize(records, ks)
     results = {"run": run_name, "n": n, "num_problems": len(records),
                "pass_at_k": {str(k): v for k, v in table.items()}}
+    tools = tool_summary(records)
+    if tools is not None:
+        results["tools"] = tools
     if primary:
         write_json(out_dir / "results.json", results)
         write_markdown(out_dir / "results.md", {run_name: table}, ks)
