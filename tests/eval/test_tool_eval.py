@@ -10,10 +10,10 @@ import pytest
 from sage_jax import evaluate
 from sage_jax.eval import offline as ev
 from sage_jax.eval import passk as evaluation
-from sage_jax.run import cli
 from sage_jax.sampling import sampler
 from sage_jax.tools.base import ToolOutput
 from tests.helpers_chat_templates import family_tokenizer
+from tests.eval.test_offline import _error, _main  # evaluate's command line and its one-line errors
 from tests.helpers_hf import tiny_hf_model
 
 PROBLEMS = {"What is 6 * 7?": "42", "What is 2 + 3?": "5"}
@@ -46,11 +46,6 @@ def tiny_set(tmp_path_factory):
             f.write(json.dumps({"problem": q, "answer": a}) + "\n")
     return folder
 
-
-def _main(argv) -> int:
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main_guard(lambda: evaluate.main([str(a) for a in argv]))
-    return exit_info.value.code
 
 
 class Oracle:
@@ -141,14 +136,6 @@ def test_evaluate_with_tools_scores_the_models_own_text(qwen_dir, tiny_set, tmp_
     monkeypatch.setattr(ev, "load_model", lambda *a, **k: pytest.fail("a finished evaluation loaded the model"))
     assert _main(["--model", qwen_dir, "--datasets", tiny_set, "--out", out, *FAST]) == 0
     assert json.loads((out / "arith" / "results.json").read_text())["tools"] == results["tools"]
-
-
-def _error(capsys, argv) -> str:
-    capsys.readouterr()
-    assert _main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
-    return err
 
 
 def test_bad_tool_input_is_one_line(qwen_dir, tiny_set, tmp_path, capsys):
