@@ -86,16 +86,12 @@ FAMILIES = {  # name: (template, special tokens, eos/end of turn, bos)
 def family_tokenizer(name: str, chat_template: str | None = None):
     """A byte-level BPE tokenizer (transformers PreTrainedTokenizerFast) with the family's specials and template."""
     import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tests.helpers_hf import byte_level_bpe
 
     template, specials, end, bos = FAMILIES[name]
     corpus = ["Please reason step by step. What is 6 * 7? The answer is 42.", "```python\nprint(6 * 7)\n```\n",
               '{"name": "python", "arguments": {"code": "x"}} system user assistant tool ipython'] * 4
-    raw = Tokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    raw.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    raw = byte_level_bpe(corpus, 400, specials)
     kwargs = {"bos_token": bos} if bos else {}
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token=end, pad_token=specials[0], **kwargs)
     fast.chat_template = chat_template or template

@@ -87,3 +87,14 @@ def tiny_tokenizer(out_dir: str | Path) -> Path:
     out_dir = Path(out_dir)
     fast.save_pretrained(out_dir)
     return out_dir
+
+
+def byte_level_bpe(corpus: list[str], vocab_size: int, specials: list[str]):
+    """A byte-level BPE tokenizers.Tokenizer trained on `corpus` (specials get ids 0, 1, ... in order)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return raw

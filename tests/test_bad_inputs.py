@@ -393,13 +393,10 @@ def test_a_write_over_the_file_size_limit_prints_only_the_error_line(tmp_path):
 
 def test_a_real_full_disk_prints_only_the_error_line(tmp_path):
     """A 1 MiB tmpfs in a private mount namespace (needs root; skipped elsewhere): ENOSPC from the kernel."""
-    import shutil
+    from tests.helpers_system import private_tmpfs_or_skip
     mnt = tmp_path / "small"
     mnt.mkdir()
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {mnt}"],
-                           capture_output=True, text=True) if shutil.which("unshare") else None
-    if probe is None or probe.returncode != 0:
-        pytest.skip(f"no private tmpfs here: {probe.stderr.strip() if probe else 'no unshare'}")
+    private_tmpfs_or_skip(mnt, "size=1m")
     script = tmp_path / "save.py"
     script.write_text(_FAILING_SAVE)
     shell = f"mount -t tmpfs -o size=1m tmpfs {mnt} && exec {sys.executable} {script} {mnt}/wd 0"

@@ -20,7 +20,7 @@ import pytest
 from sage_jax.data import tasks, templates
 from sage_jax.data.loaders import Example
 from sage_jax.data.tokenizer import Tokenizer
-from tests.helpers_hf import tiny_tokenizer
+from tests.helpers_hf import byte_level_bpe, tiny_tokenizer
 
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                    "<|eom_id|>", "<|eot_id|>", "<|turn_done|>"]
@@ -44,16 +44,11 @@ def build_tokenizer(out_dir: Path, specials: list[str], chat_template: str | Non
     """A byte-level BPE tokenizer saved to out_dir (specials get ids 0, 1, ... in order) with a config.json and,
     when generation_eos is given, a generation_config.json. add_bos: the token its post-processor prepends."""
     import transformers
-    from tokenizers import Tokenizer as RawTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import processors
 
     corpus = ["Please reason step by step, and put your final answer within \\boxed{}.", f"{PROBLEM} It is 2.",
               "system user assistant hello world A conversation between User and Assistant <think> </think>"] * 4
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    raw.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=320, special_tokens=specials,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    raw = byte_level_bpe(corpus, 320, specials)
     if add_bos:
         raw.post_processor = processors.TemplateProcessing(single=f"{add_bos} $A", pair=f"{add_bos} $A {add_bos} $B",
                                                            special_tokens=[(add_bos, specials.index(add_bos))])

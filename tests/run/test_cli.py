@@ -128,13 +128,10 @@ cli.main_guard(main)
 def test_a_save_into_a_really_read_only_checkpoint_folder_prints_one_line(tmp_path):
     """The item-1 run as it was found: a read-only checkpoint folder (a read-only tmpfs in a private mount namespace;
     needs root, skipped elsewhere) made the run exit 1 with no message."""
-    import shutil
+    from tests.helpers_system import private_tmpfs_or_skip
     folder = tmp_path / "wd" / "rl" / "checkpoints"
     folder.mkdir(parents=True)
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=1m,ro tmpfs {folder}"],
-                           capture_output=True, text=True) if shutil.which("unshare") else None
-    if probe is None or probe.returncode != 0:
-        pytest.skip(f"no private tmpfs here: {probe.stderr.strip() if probe else 'no unshare'}")
+    private_tmpfs_or_skip(folder, "size=1m,ro")
     script = tmp_path / "save.py"
     script.write_text(_SAVE_ON_A_READ_ONLY_DISK)
     shell = f"mount -t tmpfs -o size=1m,ro tmpfs {folder} && exec {sys.executable} {script} {tmp_path / 'wd'}"
