@@ -23,6 +23,16 @@ class ToolCallError(ValueError):
     """A call the tool cannot take (bad arguments); its message goes back to the model as the observation."""
 
 
+def text_argument(arguments: Any, key: str, usage: str) -> str:
+    """A tool's one text argument: the call's text (a code block), or a JSON object's `key`; else ToolCallError(usage),
+    which the model reads."""
+    if isinstance(arguments, dict):
+        arguments = arguments.get(key)
+    if not isinstance(arguments, str) or not arguments.strip():
+        raise ToolCallError(usage)
+    return arguments
+
+
 @dataclasses.dataclass(frozen=True)
 class ToolOutput:
     text: str

@@ -14,7 +14,7 @@ import math
 import operator
 from typing import Any
 
-from sage_jax.tools.base import ToolCallError
+from sage_jax.tools.base import ToolCallError, text_argument
 
 MAX_CHARS = 500
 MAX_EXPONENT = 4096
@@ -82,11 +82,7 @@ class Calculator:
     schema = SCHEMA
 
     def parse(self, arguments: Any) -> str:
-        if isinstance(arguments, dict):
-            arguments = arguments.get("expression")
-        if not isinstance(arguments, str) or not arguments.strip():
-            raise ToolCallError('the calculator takes an expression: {"expression": "2 + 2"}')
-        return arguments
+        return text_argument(arguments, "expression", 'the calculator takes an expression: {"expression": "2 + 2"}')
 
     def run(self, expression: str) -> str:
         return str(evaluate(expression))

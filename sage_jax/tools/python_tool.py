@@ -10,7 +10,7 @@ import signal
 from typing import Any
 
 from sage_jax.tools import sandbox
-from sage_jax.tools.base import ToolCallError, ToolOutput
+from sage_jax.tools.base import ToolOutput, text_argument
 
 log = logging.getLogger("sage_jax")
 _ISOLATION: list[str | None] = []  # probed once per process
@@ -50,11 +50,7 @@ class PythonTool:
         self.max_output_bytes = max_output_bytes
 
     def parse(self, arguments: Any) -> str:
-        if isinstance(arguments, dict):
-            arguments = arguments.get("code")
-        if not isinstance(arguments, str) or not arguments.strip():
-            raise ToolCallError('the python tool takes code: a ```python block or {"code": "..."}')
-        return arguments
+        return text_argument(arguments, "code", 'the python tool takes code: a ```python block or {"code": "..."}')
 
     def execute(self, code: str) -> ToolOutput:
         r = sandbox.run_isolated(code, self.limits, self.isolation, self.max_output_bytes)
