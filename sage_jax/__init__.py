@@ -30,10 +30,10 @@ from typing import Any
 def _size_the_cpu_pool_for_simulated_devices() -> None:
     """XLA:CPU runs the programs of all simulated host devices (XLA_FLAGS=--xla_force_host_platform_device_count=N)
     on one thread pool of $NPROC threads, else of a size XLA picks (here, 2 cores: 8 threads were seen held at once
-    with 8 devices). A collective holds its thread until
-    every device reaches it, and a device may start two independent collectives in a different order than another
-    device: with every thread held that way the program deadlocks, and XLA aborts the process after 40 s ("Termination
-    timeout ... Exiting to ensure a consistent program state"). Measured on 2 cores with 8 devices: 2 of 2 runs of
+    with 8 devices). A collective holds its thread until every device reaches it, and a device may start two
+    independent collectives in a different order than another device: with every thread held that way the program
+    deadlocks, and XLA aborts the process after 40 s ("Termination timeout ... Exiting to ensure a consistent program
+    state"). Measured on 2 cores with 8 devices: 2 of 2 runs of
     tests/training/test_partial.py aborted so (7 devices in one all-reduce, 1 in an all-gather, the 8 threads held);
     with NPROC=32 it passed. So, with simulated devices and no NPROC set, the pool gets 4 threads per device. It
     must be set before JAX makes its CPU client, so here, on the package's import."""

@@ -20,7 +20,8 @@ def _nproc_after_import(xla_flags: str | None, nproc: str | None) -> str:
 
 @pytest.mark.parametrize("flags, nproc, expected", [
     ("--xla_force_host_platform_device_count=8", None, str(max(os.cpu_count() or 1, 32))),
-    ("--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=3", None, str(max(os.cpu_count() or 1, 12))),
+    ("--xla_cpu_enable_fast_math=false --xla_force_host_platform_device_count=3", None,
+     str(max(os.cpu_count() or 1, 12))),
     ("--xla_force_host_platform_device_count=8", "5", "5"),  # the user's NPROC stays
     ("--xla_force_host_platform_device_count=1", None, "-"),  # one device: nothing to deadlock
     (None, None, "-"),
