@@ -28,6 +28,10 @@ import jax.numpy as jnp
 log = logging.getLogger("sage_jax")
 IMPLEMENTATIONS = ("auto", "naive", "blockwise", "cudnn", "splash")
 AUTO_NAIVE_MAX_LEN = 256  # CPU, fp32: blockwise was 1.4-1.8x faster forward + backward from 256 keys up
+# blockwise's largest tile on XLA:CPU: forward + backward (8 heads of 64, fp32) 2.8x faster than 512-tiles at 12 rows
+# of 1,000, 2.0x at 4 of 2,048, within 10% of the best tile at every shape tried (docs/PERFORMANCE.md, "Partial
+# rollouts"); larger tiles' [rows, heads, tile, tile] scores spill the caches
+CPU_TILE = 128
 _MASKED = -1e30  # finite: a tile with no allowed key must not turn the running max into -inf (exp(-inf + inf))
 
 
@@ -286,4 +290,4 @@ def attend(impl: str, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block: i
             return cudnn(*args) if impl == "cudnn" else splash(*args, block)
         except (ValueError, NotImplementedError, RuntimeError) as e:
             log.warning("model.attention=%r cannot run these shapes (%s); using 'blockwise'", impl, e)
-    return blockwise(*args, block)
+    return blockwise(*args, min(block, CPU_TILE) if jax.default_backend() == "cpu" else block)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import heapq
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Collection, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -157,10 +157,13 @@ def _within(lay: Layout, budget_rows: int, width: int) -> bool:
 
 
 def choose_layout(seq_lens: np.ndarray, slices: int | Sequence[int], width: int, row_groups: np.ndarray | None = None,
-                  row_len: int = 0, rows_multiple: int = 1) -> tuple[int, Layout]:
+                  row_len: int = 0, rows_multiple: int = 1, known: Collection[tuple[int, int, int]] = ()
+                  ) -> tuple[int, Layout]:
     """(slice count, its layout) for `slices`: a count, or the counts to choose from (slice_options). A count
     below the largest is taken only where its slices stay within the largest one's budget (its n padded rows each)
-    and it saves MIN_SAVING of the largest one's positions (fewer shapes to compile); then the fewest positions."""
+    and it saves MIN_SAVING of the largest one's positions (fewer shapes to compile); then the fewest positions.
+    known: (S, R, L) shapes already compiled; the cheapest one these sequences fit is taken instead of a new shape
+    where it costs at most MIN_SAVING more positions (as a bucket step does): a compile saved."""
     options = sorted({slices} if isinstance(slices, int) else set(slices))
     N = len(seq_lens)
     if N % options[-1]:
@@ -171,15 +174,32 @@ def choose_layout(seq_lens: np.ndarray, slices: int | Sequence[int], width: int,
     fitting = [s for s in options if s == options[-1] or (_within(lays[s], budget, width) and
                                                           cost[s] <= (1 - MIN_SAVING) * cost[options[-1]])]
     S = min(fitting, key=lambda s: (cost[s], -s))
-    return S, lays[S]
+    return _known_shape(seq_lens, options, width, row_groups, row_len, rows_multiple, budget, known,
+                        (1 + MIN_SAVING) * cost[S]) or (S, lays[S])
+
+
+def _known_shape(seq_lens, options, width, row_groups, row_len, rows_multiple, budget, known, most: float
+                 ) -> tuple[int, Layout] | None:
+    """The cheapest known (S, R, L) of at most `most` positions whose R rows of L hold each slice's sequences."""
+    longest = int(np.max(seq_lens, initial=1))
+    for S, R, L in sorted(known, key=lambda k: (k[0] * k[1] * k[2], k)):
+        if S * R * L > most:
+            break
+        if S in options and L >= longest and (not row_len or L == row_len):
+            lay = layout(seq_lens, S, width, row_groups, L, rows_multiple, budget)
+            if lay.rows <= R:
+                return S, lay._replace(rows=R)
+    return None
 
 
 def pack(batch: Mapping[str, np.ndarray], slices: int | Sequence[int] = 1, row_len: int = 0, rows_multiple: int = 1,
-         pad_id: int = 0, row_groups: np.ndarray | None = None) -> dict[str, np.ndarray]:
+         pad_id: int = 0, row_groups: np.ndarray | None = None, known: Collection[tuple[int, ...]] = ()
+         ) -> dict[str, np.ndarray]:
     """The packed layout (module docstring) of a padded loss batch (host numpy arrays, rows [N, ...]).
 
     slices: a count or the counts to choose from (choose_layout); row_len: tokens per packed row (0: chosen, see
-    `layout`); R is rounded up to a multiple of rows_multiple; row_groups: the padded rows of each mini-batch."""
+    `layout`); R is rounded up to a multiple of rows_multiple; row_groups: the padded rows of each mini-batch;
+    known: `shape_key`s of packed batches already compiled (choose_layout takes one where it costs little more)."""
     tokens, mask = np.asarray(batch["tokens"]), np.asarray(batch["mask"]) > 0
     comp = np.asarray(batch["completion_mask"]) > 0
     N, T = tokens.shape
@@ -188,7 +208,8 @@ def pack(batch: Mapping[str, np.ndarray], slices: int | Sequence[int] = 1, row_l
     prompt_lens, comp_lens = mask[:, :P].sum(1), comp.sum(1)
     if np.any(prompt_lens < 1):
         raise ValueError("every row needs at least one prompt token to predict its first completion token from")
-    S, lay = choose_layout(prompt_lens + comp_lens, slices, T, row_groups, row_len, rows_multiple)
+    same = [(S, R, L) for S, R, L, n, c in known if S * n == N and c == C]
+    S, lay = choose_layout(prompt_lens + comp_lens, slices, T, row_groups, row_len, rows_multiple, same)
     n, R, L = N // S, lay.rows, lay.row_len
     out = {k: np.zeros((S, R, L), np.int32) for k in PACKED_KEYS}
     out["tokens"][:] = pad_id
@@ -214,13 +235,26 @@ def pack(batch: Mapping[str, np.ndarray], slices: int | Sequence[int] = 1, row_l
 
 
 def pack_if_smaller(batch: Mapping[str, np.ndarray], slices: int | Sequence[int] = 1, rows_multiple: int = 1,
-                    pad_id: int = 0, row_groups: np.ndarray | None = None) -> Mapping[str, np.ndarray]:
+                    pad_id: int = 0, row_groups: np.ndarray | None = None, known: set | None = None,
+                    wide: Mapping[str, np.ndarray] | None = None) -> Mapping[str, np.ndarray]:
     """pack(), or the padded batch itself where packing would not remove MIN_SAVING of the computed positions
-    (equal lengths: the packed rows would be the padded ones, plus logits on prompt positions); loss_fn takes both."""
-    packed = pack(batch, slices, rows_multiple=rows_multiple, pad_id=pad_id, row_groups=row_groups)
+    (equal lengths: the packed rows would be the padded ones, plus logits on prompt positions); loss_fn takes both.
+
+    wide: the same rows padded to a wider completion (the run's budget), to pack instead of `batch`: the packed
+    per-row arrays then have one width whatever a step's longest row, which costs no model compute. known: the
+    run's packed `shape_key`s so far, a set this adds the packed batch's to (see pack)."""
+    packed = pack(batch if wide is None else wide, slices, rows_multiple=rows_multiple, pad_id=pad_id,
+                  row_groups=row_groups, known=known or ())
     if packed["tokens"].size > (1 - MIN_SAVING) * np.asarray(batch["tokens"]).size:
         return batch
+    if known is not None:
+        known.add(shape_key(packed))
     return packed
+
+
+def shape_key(packed: Mapping[str, Any]) -> tuple[int, int, int, int, int]:
+    """(S, R, L, n, C): what a packed batch's compiled programs depend on."""
+    return (*np.shape(packed["tokens"]), *np.shape(packed["gather"])[1:])
 
 
 def is_packed(batch: Mapping[str, Any]) -> bool:

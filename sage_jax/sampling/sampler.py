@@ -44,6 +44,7 @@ from sage_jax.sampling.filters import CDF_BLOCK, _first_max, _inverse_cdf, _nucl
 
 
 class SampleOutput(NamedTuple):
+    """Device arrays; with `resume` rows, the per-row fields are host numpy arrays (generate's end says why)."""
     tokens: jax.Array  # int32 [B, N], pad after a row stops; B = prompts * num_samples, N = max_new_tokens
     lengths: jax.Array  # int32 [B], generated tokens including the EOS
     finished: jax.Array  # bool [B], stopped by an EOS id (False: truncated at N)
@@ -230,8 +231,16 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
         tokens, logp, lengths, finished, done, prompt_tokens, prompt_mask, steps, loops = generate_program(
             cfg, plan, params, *sequences, *per_row, *scalars, eos_E)
-    # the returned rows: the program ran resumed rows first, fresh rows come out first (no resumed rows: a slice)
-    at = rows.output if resume else slice(0, rows.real_rows)
-    return SampleOutput(tokens=tokens[at, :max_new_tokens], lengths=lengths[at], finished=finished[at],
-                        logprobs=logp[at, :max_new_tokens], prompt_tokens=prompt_tokens[at],
-                        prompt_mask=prompt_mask[at], steps=steps, done=done[at], loops=loops)
+    pick = _returned_rows(rows, bool(resume))
+    return SampleOutput(tokens=pick(tokens)[:, :max_new_tokens], lengths=pick(lengths), finished=pick(finished),
+                        logprobs=pick(logp)[:, :max_new_tokens], prompt_tokens=pick(prompt_tokens),
+                        prompt_mask=pick(prompt_mask), steps=steps, done=pick(done), loops=loops)
+
+
+def _returned_rows(rows, resumed: bool):
+    """The returned rows of a program output: the program ran resumed rows first, fresh rows come out first (no
+    resumed rows: a slice). With resumed rows, reordered on the host (their callers read host arrays; an eager gather
+    would compile once per row count; the outputs are replicated, so every process reads them whole)."""
+    if resumed:
+        return lambda x: np.asarray(x)[rows.output]
+    return lambda x: x[:rows.real_rows]

@@ -205,34 +205,48 @@ def mini_batch_rows(rows: int, mini_batches: int, group_size: int, rl_step: int)
 
 
 def build_batch(ro: dict[str, Any], advantages: np.ndarray, pad_id: int, max_new_tokens: int, packed: bool = False,
-                slices: int | Sequence[int] = 1, rows_multiple: int = 1, row_groups: np.ndarray | None = None
-                ) -> dict[str, np.ndarray]:
+                slices: int | Sequence[int] = 1, rows_multiple: int = 1, row_groups: np.ndarray | None = None,
+                shapes: set | None = None) -> dict[str, np.ndarray]:
     """Loss batch (objectives.loss_fn layout); completions trimmed to a length bucket to save compute.
 
     packed: several rows' real tokens per row instead (packing.pack: `slices` slices, or the best of several
     counts, of balanced rows within each mini-batch of row_groups, for packing.loss_fn / packing.sequence_logprobs),
     so the model computes on real tokens only; kept padded where that would not save much
-    (packing.pack_if_smaller: equal lengths).
+    (packing.pack_if_smaller: equal lengths). A packed batch's per-row arrays are max_new_tokens wide (no model
+    compute: steps whose longest rows differ share a shape); shapes: the run's packed shapes so far (a set the
+    caller keeps; packing.pack_if_smaller's `known`), so a step whose rows fit one of them within a bucket step
+    reuses its compiled programs, as partial rollouts' steps, each training whichever rows finished, would not.
     """
     C = min(bucket_length(int(ro["lengths"].max(initial=1)), COMPLETION_BUCKETS), max_new_tokens)
+    batch = _padded(ro, advantages, pad_id, C)
+    if not packed:
+        return batch
+    wide = None if C == max_new_tokens else _padded(ro, advantages, pad_id, max_new_tokens)
+    return packing.pack_if_smaller(batch, slices, rows_multiple, pad_id, row_groups, known=shapes, wide=wide)
+
+
+def _padded(ro: dict[str, Any], advantages: np.ndarray, pad_id: int, C: int) -> dict[str, np.ndarray]:
+    """The padded loss batch with completions C wide."""
     comp = ro["tokens"][:, :C]
+    comp = np.pad(comp, ((0, 0), (0, C - comp.shape[1])), constant_values=pad_id)
     comp_mask = np.arange(C)[None, :] < ro["lengths"][:, None]
     comp = np.where(comp_mask, comp, pad_id)
+    logp = np.asarray(ro["sampler_logp"])[:, :C]
+    logp = np.pad(logp, ((0, 0), (0, C - logp.shape[1])))
     batch = {
         "tokens": np.concatenate([ro["prompt_tokens"], comp], axis=1).astype(np.int32),
         "mask": np.concatenate([ro["prompt_mask"], comp_mask], axis=1).astype(np.int32),
         "completion_mask": comp_mask.astype(np.float32),
         "advantages": advantages.astype(np.float32),
-        "sampler_logp": np.where(comp_mask, ro["sampler_logp"][:, :C], 0.0).astype(np.float32),
+        "sampler_logp": np.where(comp_mask, logp, 0.0).astype(np.float32),
         "truncated": ~ro["finished"],
     }
     if ro.get("sampled_mask") is not None:  # multi-turn rows: observed tokens are attended to, never trained
-        sampled = comp_mask & (np.asarray(ro["sampled_mask"])[:, :C] > 0)
+        sampled = np.asarray(ro["sampled_mask"])[:, :C]
+        sampled = comp_mask & (np.pad(sampled, ((0, 0), (0, C - sampled.shape[1]))) > 0)
         bad = np.argwhere(sampled & ~np.isfinite(batch["sampler_logp"]))
         if len(bad):
             raise ValueError(f"row {bad[0][0]}, completion token {bad[0][1]}: a sampled token has a NaN behaviour "
                              "log-prob (NaN marks observed tokens); the row's segments and log-probs disagree")
         batch["sampled_mask"] = sampled.astype(np.float32)
-    if not packed:
-        return batch
-    return packing.pack_if_smaller(batch, slices, rows_multiple, pad_id, row_groups)
+    return batch

@@ -57,6 +57,7 @@ class RLContext:
     lora_cfg: lora.LoraConfig | None = None  # LoRA: the state trains adapters on the frozen `base`
     base: Any = None
     off_policy: bool = False             # train.off_policy_steps > 0 or rollout.partial: tokens of earlier policies
+    shapes: set = dataclasses.field(default_factory=set, compare=False)  # packed shapes compiled (build_batch)
 
     def policy(self, trained) -> Any:
         """The params to sample and score the policy with: the trained params, or with LoRA base + adapters."""
@@ -127,7 +128,7 @@ def _loss_batch(ctx: RLContext, ro, adv_N: np.ndarray, rl_step: int) -> dict[str
     slices = packing.slice_options(N, ctx.group_size, _data_parallel(ctx.mesh), ctx.grad_accum, ctx.mini_batches)
     groups = rollouts.mini_batch_rows(N, ctx.mini_batches, ctx.group_size, rl_step) if ctx.mini_batches > 1 else None
     return rollouts.build_batch(ro, adv_N, ctx.cfg.pad_token_id, ctx.max_new_tokens, packed=True, slices=slices,
-                                row_groups=groups)
+                                row_groups=groups, shapes=ctx.shapes)
 
 
 def _data_parallel(mesh) -> int:

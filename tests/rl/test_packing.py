@@ -255,3 +255,59 @@ def test_fewer_micro_batches_where_the_configured_ones_are_mostly_padding(params
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # as in test_grad_accum_gradients_equal_padded
         np.testing.assert_allclose(a, b, **f32_tols(decoder_terms(CFG, 64) + batch["mask"].size, floor=np.abs(b).max(),
                                                     rounded_at=1.0))
+
+
+def _long_tail_batch(lengths, P=8, C=512):
+    N = len(lengths)
+    comp = np.arange(C)[None] < np.asarray(lengths)[:, None]
+    mask = np.concatenate([np.ones((N, P), bool), comp], 1)
+    return {"tokens": np.where(mask, 3, 0).astype(np.int32), "mask": mask.astype(np.int32),
+            "completion_mask": comp.astype(np.float32), "advantages": np.zeros(N, np.float32)}
+
+
+def test_a_known_shape_within_a_bucket_step_is_reused_and_a_costly_one_is_not():
+    """A step whose rows fit an already compiled (S, R, L) for at most 1/8 more positions takes it (a compile saved);
+    a step that a new shape would serve for far less gets the new shape."""
+    base = _long_tail_batch([500, 300, 200, 100, 90, 80, 70, 60])
+    known: set = set()
+    first = packing.pack(base, slices=[1, 2], known=known)
+    known.add(packing.shape_key(first))
+    fewer = _long_tail_batch([500, 300, 200, 100, 90, 80, 70, 20])  # a new layout would be a little smaller
+    fresh = packing.pack(fewer, slices=[1, 2])
+    reused = packing.pack(fewer, slices=[1, 2], known=known)
+    assert packing.shape_key(reused) == packing.shape_key(first)
+    assert fresh["tokens"].size <= reused["tokens"].size <= (1 + packing.MIN_SAVING) * fresh["tokens"].size
+    assert int((reused["segment_ids"] > 0).sum()) == int(fewer["mask"].sum())  # every token once, the rest padding
+    short = _long_tail_batch([60, 50, 40, 30, 30, 20, 20, 10])  # fits, but at several times a new shape's positions
+    assert packing.shape_key(packing.pack(short, slices=[1, 2], known=known)) != packing.shape_key(first)
+    other_width = _long_tail_batch([500, 300, 200, 100, 90, 80, 70, 20], C=256 + 256 // 2)
+    assert packing.shape_key(packing.pack(other_width, slices=[1, 2], known=known))[4] == 384  # C is part of it
+
+
+def test_a_reused_shape_gives_the_padded_loss(params, monkeypatch):
+    batch = _padded_batch()
+    S, R, L, n, C = packing.shape_key(packing.pack(batch, slices=2))
+    monkeypatch.setattr(packing, "MIN_SAVING", 1.0)  # take a known shape at any cost
+    packed = packing.pack(batch, slices=2, known={(S, R + 2, L, n, C)})  # two rows more than needed: padding
+    assert packed["tokens"].shape == (S, R + 2, L)
+    loss = lambda fn, b: fn(params, jax.tree.map(jnp.asarray, b), CFG, LOSS, 3, jax.random.key(1))
+    (l_ref, m_ref), (l_got, m_got) = loss(objectives.loss_fn, batch), loss(packing.loss_fn, packed)
+    np.testing.assert_allclose(l_got, l_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_partial_rollout_stream_compiles_fewer_shapes():
+    """Steps that each train whichever 64 rows finished (a long tail, the longest below the budget in some steps):
+    with the run's known shapes the stream packs into fewer distinct shapes, each step within 1/8 of its own best."""
+    rng = np.random.default_rng(0)
+    pool = workloads.longtail_lengths(512, 512, seed=1)
+    known: set = set()
+    fresh_keys, kept_keys = set(), set()
+    for _ in range(16):
+        batch = _long_tail_batch(rng.choice(pool, 64, replace=False), P=32)
+        fresh = packing.pack(batch, slices=[1, 2, 4])
+        kept = packing.pack(batch, slices=[1, 2, 4], known=known)
+        known.add(packing.shape_key(kept))
+        fresh_keys.add(packing.shape_key(fresh))
+        kept_keys.add(packing.shape_key(kept))
+        assert kept["tokens"].size <= (1 + packing.MIN_SAVING) * fresh["tokens"].size
+    assert len(kept_keys) < len(fresh_keys)

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 
+from sage_jax.rl import packing
 from sage_jax.training import rollouts
 
 
@@ -105,3 +106,16 @@ def test_cut_prompts_are_counted_and_warned_about_once(caplog, monkeypatch):
     assert ro["prompts_cut"] == 2 and seen["prompts"][0] == [1, 10, 11]
     assert all(len(p) <= 5 and p[0] == 1 for p in seen["prompts"])
     assert sum("longer than data.max_prompt_len=5" in r.message for r in caplog.records) == 1
+
+
+def test_a_packed_batch_is_the_budget_wide_and_remembers_its_shape():
+    """Packed, the per-row arrays are max_new_tokens wide whatever the longest row (no model compute), so steps
+    whose longest rows differ share one compiled shape; the padded fallback (equal lengths) keeps the bucket."""
+    shapes: set = set()
+    adv = np.zeros(8, np.float32)
+    a = rollouts.build_batch(_ro([90, 3, 4, 5, 6, 7, 8, 9], C=128), adv, 0, 128, packed=True, shapes=shapes)
+    b = rollouts.build_batch(_ro([50, 3, 4, 5, 6, 7, 8, 9], C=128), adv, 0, 128, packed=True, shapes=shapes)
+    assert a["gather"].shape[2] == b["gather"].shape[2] == 128 and a["tokens"].shape == b["tokens"].shape
+    assert shapes == {packing.shape_key(a)}
+    equal = rollouts.build_batch(_ro([20] * 8, C=128), adv, 0, 128, packed=True, shapes=shapes)
+    assert not packing.is_packed(equal) and equal["tokens"].shape == (8, 3 + 32) and len(shapes) == 1
