@@ -67,8 +67,12 @@ def get_config(arg=None):
         # pauses at its call (tool_format "markdown": a closed ```python block; "hermes": the chat template's
         # <tool_call>), the call runs in tool_workers threads (Python in a sandbox, tool_timeout seconds) while the
         # other rows decode, and the row resumes with the output (cut to max_tool_tokens) as untrained tokens; at most
-        # max_turns calls per row; max_new_tokens counts the output tokens too
-        tools=(), tool_format="markdown", max_turns=4, tool_timeout=5.0, max_tool_tokens=512, tool_workers=8))
+        # max_turns calls per row; max_new_tokens counts the output tokens too. tool_return_share: a sampler call
+        # returns (its rows at a call go to the tools, the others carry on in the next call) once this share of its
+        # groups is complete; 1.0 (when every row has stopped) measured 0.65x the tool-free tokens/s on CPU against
+        # 0.51x at 0.25, whose extra calls re-prefill the carried rows (docs/PERFORMANCE.md, "Tools")
+        tools=(), tool_format="markdown", max_turns=4, tool_timeout=5.0, max_tool_tokens=512, tool_workers=8,
+        tool_return_share=1.0))
 
     # The loss and guide defaults live in objectives.LossConfig and guides.GuideConfig (one flat dict here): k3
     # anchor, beta 0.05, clip 0.2, GRPO aggregation, advantages over the group's std (ddof 1) + 1e-4, no guide;

@@ -76,7 +76,7 @@ def main(argv: list[str]) -> list[dict]:
     p.add_argument("--tool-ms", type=float, default=100.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workers", type=int, default=16, help="tool calls at once")
-    p.add_argument("--return-share", type=float, default=0.25, help="a sampler call returns once this share of "
+    p.add_argument("--return-share", type=float, default=1.0, help="a sampler call returns once this share of "
                    "its groups is complete (1: when every row has stopped)")
     args = p.parse_args(argv[1:])
     cfg = model_lib.ModelConfig(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,

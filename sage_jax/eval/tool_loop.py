@@ -44,7 +44,7 @@ from sage_jax.tools.calls import check_format, find_call
 class ToolSettings:
     max_turns: int = 4  # tool calls per row; a row that makes one more ends there
     max_tool_tokens: int = 512  # a tool's output is cut to this many tokens (head and tail kept)
-    return_share: float = 0.25  # a call returns once this share of its groups is complete
+    return_share: float = 1.0  # a call returns once this share of its groups is complete (rollout.tool_return_share)
 
     def __post_init__(self):
         if self.max_turns < 1 or self.max_tool_tokens < 1 or not 0 < self.return_share <= 1:
@@ -272,7 +272,8 @@ def _arrays(rows: list[_Row], C: int, waited_s: float, total_s: float, calls: in
 
 def settings_from(rollout_cfg) -> ToolSettings:
     return ToolSettings(max_turns=int(getattr(rollout_cfg, "max_turns", 4)),
-                        max_tool_tokens=int(getattr(rollout_cfg, "max_tool_tokens", 512)))
+                        max_tool_tokens=int(getattr(rollout_cfg, "max_tool_tokens", 512)),
+                        return_share=float(getattr(rollout_cfg, "tool_return_share", 1.0)))
 
 
 _FORMATS: dict[tuple, ToolFormat] = {}

@@ -45,7 +45,7 @@ ENTROPY_KEYS = ("model.", "data.", "rollout.", "experiment.data_seed", "experime
 INERT = {"rollout.partial": (False, ("rollout.partial", "rollout.oversample", "rollout.max_lag")),
          "rollout.decode_attention": ("auto", ("rollout.decode_attention",)),
          "rollout.tools": ([], ("rollout.tools", "rollout.tool_format", "rollout.max_turns", "rollout.tool_timeout",
-                                "rollout.max_tool_tokens", "rollout.tool_workers"))}
+                                "rollout.max_tool_tokens", "rollout.tool_workers", "rollout.tool_return_share"))}
 
 
 class Job(NamedTuple):

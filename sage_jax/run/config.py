@@ -205,6 +205,8 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("rollout.tool_timeout", lambda v: v > 0, "> 0 seconds"),
     ("rollout.max_tool_tokens", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1"),
     ("rollout.tool_workers", lambda v: isinstance(v, int) and v >= 1, "an integer >= 1 (tool calls at once)"),
+    ("rollout.tool_return_share", lambda v: 0 < v <= 1, "in (0, 1] (the share of a call's groups complete when it "
+                                                        "returns)"),
     ("loss.beta", lambda v: v >= 0, ">= 0"),
     ("loss.gamma", lambda v: v >= 0, ">= 0"),
     ("loss.tau", lambda v: v > 0, "> 0"),

@@ -243,6 +243,12 @@ def test_config_rules_for_tools():
     config.rollout.tools, config.rollout.partial = ("python",), True
     with pytest.raises(config_lib.ConfigError, match="rollout.partial"):
         config_lib.validate(config)
+    config.rollout.partial, config.rollout.tool_return_share = False, 0.0
+    with pytest.raises(config_lib.ConfigError, match="rollout.tool_return_share"):
+        config_lib.validate(config)
+    config.rollout.tool_return_share = 0.5
+    assert tr.settings_from(config.rollout).return_share == 0.5
+    assert tr.settings_from(config_lib.load("configs/cpu_demo.py", []).rollout).return_share == 1.0
 
 
 @pytest.mark.slow  # ~30 s on 2 shared cores: the train step's compile
