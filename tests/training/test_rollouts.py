@@ -113,9 +113,10 @@ def test_a_packed_batch_is_the_budget_wide_and_remembers_its_shape():
     whose longest rows differ share one compiled shape; the padded fallback (equal lengths) keeps the bucket."""
     shapes: set = set()
     adv = np.zeros(8, np.float32)
-    a = rollouts.build_batch(_ro([90, 3, 4, 5, 6, 7, 8, 9], C=128), adv, 0, 128, packed=True, shapes=shapes)
-    b = rollouts.build_batch(_ro([50, 3, 4, 5, 6, 7, 8, 9], C=128), adv, 0, 128, packed=True, shapes=shapes)
-    assert a["gather"].shape[2] == b["gather"].shape[2] == 128 and a["tokens"].shape == b["tokens"].shape
+    # longest rows 90 and 60: completion buckets 128 and 64, both packed 256 wide, into the same rows
+    a = rollouts.build_batch(_ro([90, 40, 30, 5, 6, 7, 8, 9], C=256), adv, 0, 256, packed=True, shapes=shapes)
+    b = rollouts.build_batch(_ro([60, 40, 30, 5, 6, 7, 8, 9], C=256), adv, 0, 256, packed=True, shapes=shapes)
+    assert a["gather"].shape[2] == b["gather"].shape[2] == 256 and a["tokens"].shape == b["tokens"].shape
     assert shapes == {packing.shape_key(a)}
-    equal = rollouts.build_batch(_ro([20] * 8, C=128), adv, 0, 128, packed=True, shapes=shapes)
+    equal = rollouts.build_batch(_ro([20] * 8, C=256), adv, 0, 256, packed=True, shapes=shapes)
     assert not packing.is_packed(equal) and equal["tokens"].shape == (8, 3 + 32) and len(shapes) == 1
