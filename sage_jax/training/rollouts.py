@@ -225,14 +225,17 @@ def build_batch(ro: dict[str, Any], advantages: np.ndarray, pad_id: int, max_new
     return packing.pack_if_smaller(batch, slices, rows_multiple, pad_id, row_groups, known=shapes, wide=wide)
 
 
+def _columns(a, C: int, value=0) -> np.ndarray:
+    """The first C columns of a [N, ...] completion array, padded with `value` where it has fewer."""
+    a = np.asarray(a)[:, :C]
+    return np.pad(a, ((0, 0), (0, C - a.shape[1])), constant_values=value)
+
+
 def _padded(ro: dict[str, Any], advantages: np.ndarray, pad_id: int, C: int) -> dict[str, np.ndarray]:
     """The padded loss batch with completions C wide."""
-    comp = ro["tokens"][:, :C]
-    comp = np.pad(comp, ((0, 0), (0, C - comp.shape[1])), constant_values=pad_id)
     comp_mask = np.arange(C)[None, :] < ro["lengths"][:, None]
-    comp = np.where(comp_mask, comp, pad_id)
-    logp = np.asarray(ro["sampler_logp"])[:, :C]
-    logp = np.pad(logp, ((0, 0), (0, C - logp.shape[1])))
+    comp = np.where(comp_mask, _columns(ro["tokens"], C, pad_id), pad_id)
+    logp = _columns(ro["sampler_logp"], C)
     batch = {
         "tokens": np.concatenate([ro["prompt_tokens"], comp], axis=1).astype(np.int32),
         "mask": np.concatenate([ro["prompt_mask"], comp_mask], axis=1).astype(np.int32),
@@ -242,8 +245,7 @@ def _padded(ro: dict[str, Any], advantages: np.ndarray, pad_id: int, C: int) -> 
         "truncated": ~ro["finished"],
     }
     if ro.get("sampled_mask") is not None:  # multi-turn rows: observed tokens are attended to, never trained
-        sampled = np.asarray(ro["sampled_mask"])[:, :C]
-        sampled = comp_mask & (np.pad(sampled, ((0, 0), (0, C - sampled.shape[1]))) > 0)
+        sampled = comp_mask & (_columns(ro["sampled_mask"], C) > 0)
         bad = np.argwhere(sampled & ~np.isfinite(batch["sampler_logp"]))
         if len(bad):
             raise ValueError(f"row {bad[0][0]}, completion token {bad[0][1]}: a sampled token has a NaN behaviour "
