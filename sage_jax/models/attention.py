@@ -4,7 +4,8 @@ Query t may attend to key s when s <= t and both carry the same segment id > 0; 
 padding and attends to itself only (its output is ignored, this keeps its softmax finite). One row may hold several
 sequences (packing: ids 1, 2, ... with per-segment positions), or one left-padded sequence (ids = the mask).
 
-  naive      the [B, K, G, T, S] scores in one einsum: fastest for short rows, memory quadratic in T
+  naive      the [B, K, G, T, S] scores in one einsum: fastest for short rows, memory quadratic in T; on XLA:CPU a
+             few rows at a time (`row_groups`: each group's scores stay in the caches)
   blockwise  flash-style online softmax over [block, block] tiles in plain JAX, with a hand-written backward that
              recomputes the tiles: no [T, T] buffer in either pass, runs on every backend; dead tiles are skipped:
              causally dead ones, and in packed rows those between different sequences in every row of the batch
@@ -32,6 +33,10 @@ AUTO_NAIVE_MAX_LEN = 256  # CPU, fp32: blockwise was 1.4-1.8x faster forward + b
 # of 1,000, 2.0x at 4 of 2,048, within 10% of the best tile at every shape tried (docs/PERFORMANCE.md, "Partial
 # rollouts"); larger tiles' [rows, heads, tile, tile] scores spill the caches
 CPU_TILE = 128
+# naive attention on XLA:CPU runs row groups whose fp32 scores take at most this many bytes, in turn: forward +
+# backward of 64 rows of 160 positions (8 heads of 64) 261 ms at once, 207 ms four rows at a time (5 MiB would allow
+# six); forward 108 -> 60 ms. The whole batch's 52 MiB of scores went through memory four times
+CPU_SCORES_BYTES = 5 << 20
 _MASKED = -1e30  # finite: a tile with no allowed key must not turn the running max into -inf (exp(-inf + inf))
 
 
@@ -65,6 +70,26 @@ def masked(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, allowed_BxTxS) -> jax.Array:
 
 def naive(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT) -> jax.Array:
     return masked(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, allowed_mask(segment_ids_BxT, segment_ids_BxT))
+
+
+def row_groups(B: int, N: int, T: int, S: int, budget: int) -> int:
+    """How many groups of rows naive attention on XLA:CPU runs in turn: the fewest that divide B and keep one
+    group's [rows, N, T, S] fp32 scores within `budget` bytes (1: all rows at once; B: one row at a time, where even
+    one row's are larger)."""
+    per_row = 4 * N * T * S
+    return next((n for n in range(1, B + 1) if B % n == 0 and (B // n) * per_row <= budget), B)
+
+
+def naive_in_groups(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, groups: int) -> jax.Array:
+    """naive attention over `groups` groups of consecutive rows one after another (lax.map), each group's scores
+    recomputed in the backward. (Groups of strided rows, which would keep a row axis split over devices split, ran
+    the 64 x 160 case 17% slower forward + backward: the transposes in and out.)"""
+    if groups <= 1:
+        return naive(q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT)
+    split = lambda a: a.reshape(groups, -1, *a.shape[1:])
+    out = jax.lax.map(jax.checkpoint(lambda xs: naive(*xs)),
+                      tuple(map(split, (q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT))))
+    return out.reshape(q_BxTxNxH.shape)
 
 
 # --------------------------------------------------------------------------------------------------- blockwise
@@ -283,11 +308,23 @@ def attend(impl: str, q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT, block: i
     """Causal attention within segments (module docstring) by the implementation `impl` resolves to."""
     impl = resolve(impl, q_BxTxNxH.shape[1], q_BxTxNxH.dtype)
     args = (q_BxTxNxH, k_BxTxKxH, v_BxTxKxH, segment_ids_BxT)
+    platform, devices = _target()
     if impl == "naive":
-        return naive(*args)
+        if platform != "cpu" or devices > 1:  # (a simulated CPU mesh keeps whole-batch scores: rows split there)
+            return naive(*args)
+        B, T, N, _ = q_BxTxNxH.shape
+        return naive_in_groups(*args, row_groups(B, N, T, T, CPU_SCORES_BYTES))
     if impl in ("cudnn", "splash"):
         try:  # the kernels check shapes, dtypes and library versions while tracing: fall back rather than fail
             return cudnn(*args) if impl == "cudnn" else splash(*args, block)
         except (ValueError, NotImplementedError, RuntimeError) as e:
             log.warning("model.attention=%r cannot run these shapes (%s); using 'blockwise'", impl, e)
-    return blockwise(*args, min(block, CPU_TILE) if jax.default_backend() == "cpu" else block)
+    return blockwise(*args, min(block, CPU_TILE) if platform == "cpu" else block)
+
+
+def _target() -> tuple[str, int]:
+    """The platform the program being traced is for and its device count: the current mesh's (sage_jax.plan compiles
+    TPU programs on a CPU host), else the default backend's, one device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh is None or mesh.empty else getattr(mesh, "abstract_device", None)
+    return (device.platform, mesh.size) if device is not None else (jax.default_backend(), 1)

@@ -5,7 +5,8 @@ XLA:CPU, XLA:TPU and XLA:GPU want different programs for the same decode step:
 
               scores                 cache, layer loop                  attention                       steps per loop
   cpu     f32 multiply-and-sum   stacked [R, L, K, S, H], one loop   64-slot blocks, rows in 4 position   1
-                                 over the layers, weights unstacked  groups, the pool shrinks
+                                 over the layers, weights unstacked  groups, the pool shrinks (a cache of
+                                                                     <= 192 positions: one pass)
   tpu     matmul, compute dtype  one [R, K, S, H] pair per layer,    Pallas kernel reading each row's     1
           with f32 accumulation  layers unrolled                     live positions (kernel="auto")
   gpu     as tpu                 as tpu                              as tpu                               4
@@ -64,15 +65,24 @@ def platform_of(backend: str) -> str:
     return {"cuda": "gpu", "rocm": "gpu"}.get(backend, backend if backend in ("cpu", "tpu", "gpu") else "cpu")
 
 
-def for_platform(backend: str, attention: str = "auto") -> DecodeForms:
+# XLA:CPU reads a cache of at most this many positions in one pass: 64 rows of the small preset (fp32), 128 new tokens
+# after 32 prompt positions (160): 5.15 s one pass against 5.68 s in 64-slot blocks; 256 new tokens (288): 13.57 s
+# against 12.89 s; the long tail to 512: 16.0 s against 12.1 s (docs/PERFORMANCE.md, "Decode per platform")
+CPU_ONE_PASS_MAX_POSITIONS = 192
+
+
+def for_platform(backend: str, attention: str = "auto", cache_positions: int | None = None) -> DecodeForms:
     """The forms `backend` (a jax backend / device platform: cpu, tpu, gpu, cuda, rocm) decodes with; `attention`
-    other than "auto" forces that attention form (the rest of the platform's forms stay)."""
+    other than "auto" forces that attention form (the rest of the platform's forms stay). cache_positions: the
+    decode cache's positions per row (prompt bucket + new-token bucket), where known: on XLA:CPU a cache of at most
+    CPU_ONE_PASS_MAX_POSITIONS is read in one pass, not in blocks."""
     if attention not in ATTENTION_FORMS:
         raise ValueError(f"decode attention {attention!r}: choose one of {', '.join(ATTENTION_FORMS)}")
     platform = platform_of(backend)
     if platform == "cpu":
-        forms = DecodeForms("cpu", "multiply_sum", stacked_cache=True, attention="blocked", position_groups=4,
-                            steps_per_loop=1, unstack_layers=True, shrink=True, cache_bits=True)
+        short = cache_positions is not None and cache_positions <= CPU_ONE_PASS_MAX_POSITIONS
+        forms = DecodeForms("cpu", "multiply_sum", stacked_cache=True, attention="one_pass" if short else "blocked",
+                            position_groups=4, steps_per_loop=1, unstack_layers=True, shrink=True, cache_bits=True)
     else:
         forms = DecodeForms(platform, "matmul", stacked_cache=False, attention="kernel", position_groups=1,
                             steps_per_loop=4 if platform == "gpu" else 1, unstack_layers=False, shrink=False,

@@ -102,13 +102,13 @@ def _slot_count(slots, cfg: ModelConfig, rows: int, prompts: int, P: int, C: int
     return -(-(rows if slots in (None, "all") else int(slots)) // dp) * dp
 
 
-def _forms(mesh: Mesh | None, decode_attention) -> decode_forms.DecodeForms:
+def _forms(mesh: Mesh | None, decode_attention, cache_positions: int) -> decode_forms.DecodeForms:
     """generate's decode forms: given whole, or the platform's (the mesh's devices', else the backend's) with
-    decode_attention's attention form."""
+    decode_attention's attention form, for a cache of cache_positions per row."""
     if isinstance(decode_attention, decode_forms.DecodeForms):
         return decode_attention
     platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    return decode_forms.for_platform(platform, decode_attention)
+    return decode_forms.for_platform(platform, decode_attention, cache_positions)
 
 
 def _left_pad(sequences: Sequence[Sequence[int]], width: int, pad_id: int, carried: Sequence[Sequence[int]] = (),
@@ -206,7 +206,7 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
         params = model_lib.shard_params(params, mesh, cfg=cfg)
     params = model_lib.compute_params(cfg, params)  # read at every decode step: once in the compute dtype
     S = _slot_count(slots, cfg, N, B, P, C, mesh)
-    forms = _forms(mesh, decode_attention)
+    forms = _forms(mesh, decode_attention, P + C)
     greedy = temperature == 0
     plan = SamplerPlan(num_samples=num_samples, new_bucket=C, greedy=greedy,
                        top_k=0 if greedy or top_k >= cfg.vocab_size else top_k, use_top_p=not greedy and top_p < 1,

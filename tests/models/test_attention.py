@@ -44,6 +44,52 @@ def test_blockwise_equals_naive_values_and_gradients(block):
         np.testing.assert_allclose(a, b, **f32_tols(q.shape[3] + 3 * q.shape[1], floor=np.abs(b).max()))
 
 
+def test_row_groups_fit_the_budget_and_divide_the_rows():
+    per_row = 4 * 8 * 160 * 160  # fp32 scores of one row: 8 heads, 160 positions
+    assert attention.row_groups(64, 8, 160, 160, 5 << 20) == 16  # 4 rows a group: 3.1 MiB; 8 would take 6.3
+    assert attention.row_groups(64, 8, 160, 160, 64 * per_row) == 1
+    assert attention.row_groups(6, 8, 160, 160, 4 * per_row) == 2  # 4 rows would fit, but 6 splits as 3 + 3
+    assert attention.row_groups(7, 8, 160, 160, 4 * per_row) == 7
+    assert attention.row_groups(4, 8, 160, 160, per_row // 2) == 4  # even one row over: one at a time
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+def test_naive_in_groups_equals_naive_values_and_gradients(groups):
+    """Rows in groups of consecutive rows, one group after another: the same values and gradients as all at once."""
+    seg = jnp.concatenate([_segments()] * 3)
+    q, k, v = _qkv(B=6)
+    w = jax.random.normal(jax.random.key(3), q.shape)
+    loss = lambda fn: (lambda q, k, v: jnp.sum(jnp.sin(fn(q, k, v, seg)) * w))
+    grouped = lambda *a: attention.naive_in_groups(*a, groups)
+    np.testing.assert_allclose(grouped(q, k, v, seg), attention.naive(q, k, v, seg), rtol=1e-6, atol=1e-6)
+    for a, b in zip(jax.grad(loss(grouped), argnums=(0, 1, 2))(q, k, v),
+                    jax.grad(loss(attention.naive), argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_attend_groups_rows_on_one_cpu_device_only(monkeypatch):
+    """On XLA:CPU, one device, naive attention runs in row groups within CPU_SCORES_BYTES; on a simulated mesh of
+    several devices (rows split) and for other platforms' programs (the plan's TPU ones), all rows at once."""
+    calls = []
+    monkeypatch.setattr(attention, "naive_in_groups", lambda *a: calls.append(a[-1]) or attention.naive(*a[:-1]))
+    monkeypatch.setattr(attention, "CPU_SCORES_BYTES", 4 * 4 * 40 * 40)  # one row's scores (4 heads, 40 positions)
+    q, k, v = _qkv()
+    attention.attend("naive", q, k, v, _segments())
+    assert calls == ([2] if jax.default_backend() == "cpu" else [])
+    monkeypatch.setattr(attention, "_target", lambda: ("cpu", 8))
+    attention.attend("naive", q, k, v, _segments())
+    monkeypatch.setattr(attention, "_target", lambda: ("tpu", 1))
+    attention.attend("naive", q, k, v, _segments())
+    assert len(calls) <= 1
+
+
+def test_target_platform_is_the_meshs():
+    assert attention._target() == (jax.default_backend(), 1)
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        assert attention._target() == (jax.devices()[0].platform, 1)
+
+
 def test_tile_ranges_skip_tiles_between_sequences():
     # block 4: row 0 = sequences [0, 6), [6, 9), [9, 16), then padding; row 1 = [0, 10), [10, 20), padding
     seg = jnp.asarray([[1] * 6 + [2] * 3 + [3] * 7 + [0] * 8, [1] * 10 + [2] * 10 + [0] * 4], jnp.int32)

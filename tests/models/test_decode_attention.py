@@ -24,6 +24,12 @@ def test_one_table_says_which_forms_each_platform_gets():
     forced = decode_forms.for_platform("tpu", "one_pass")
     assert forced.attention == "one_pass" and forced.shrink and forced.scores == "matmul"
     assert decode_forms.for_platform("cpu", "kernel").interpret
+    # XLA:CPU reads a short cache in one pass, a longer one in blocks; other platforms keep their kernel
+    limit = decode_forms.CPU_ONE_PASS_MAX_POSITIONS
+    assert decode_forms.for_platform("cpu", cache_positions=limit).attention == "one_pass"
+    assert decode_forms.for_platform("cpu", cache_positions=limit + 1) == cpu
+    assert decode_forms.for_platform("cpu", "blocked", cache_positions=64).attention == "blocked"
+    assert decode_forms.for_platform("tpu", cache_positions=64) == tpu
     with pytest.raises(ValueError, match="decode attention 'flash'"):
         decode_forms.for_platform("tpu", "flash")
 
