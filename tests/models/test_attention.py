@@ -75,12 +75,12 @@ def test_attend_groups_rows_on_one_cpu_device_only(monkeypatch):
     monkeypatch.setattr(attention, "CPU_SCORES_BYTES", 4 * 4 * 40 * 40)  # one row's scores (4 heads, 40 positions)
     q, k, v = _qkv()
     attention.attend("naive", q, k, v, _segments())
-    assert calls == ([2] if jax.default_backend() == "cpu" else [])
-    monkeypatch.setattr(attention, "_target", lambda: ("cpu", 8))
-    attention.attend("naive", q, k, v, _segments())
-    monkeypatch.setattr(attention, "_target", lambda: ("tpu", 1))
-    attention.attend("naive", q, k, v, _segments())
-    assert len(calls) <= 1
+    on_cpu = [2] if jax.default_backend() == "cpu" else []
+    assert calls == on_cpu
+    for target in (("cpu", 8), ("tpu", 1)):
+        monkeypatch.setattr(attention, "_target", lambda: target)
+        attention.attend("naive", q, k, v, _segments())
+        assert calls == on_cpu, target
 
 
 def test_target_platform_is_the_meshs():
