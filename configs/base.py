@@ -105,6 +105,7 @@ def get_config(arg=None):
             dict(mul=0.7, add=0.2, sub=0.07, div=0.03)), num_demos=4000))
     c.train.reward_memory_mb = 4096  # address-space cap per reward worker (0 = none)
     c.sft.ckpt_every = 100  # SFT checkpoint period in steps; a rerun resumes from the newest
+    c.sft.tool_share = 0.0  # sft.data="tool_traces": the share of demonstrations that call the Python tool
     # a resume whose config differs from the checkpoint's (outside run_record.MAY_CHANGE) stops, unless this is set:
     # then the change is recorded in WORKDIR/config_changes.json
     c.train.allow_config_change = False

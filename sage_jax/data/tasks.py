@@ -143,7 +143,8 @@ def _build(config, tokenizer_path: str = "") -> Task:
     if not path:
         raise ValueError(f"task {d.task!r} needs a tokenizer: set --config.model.path (an HF directory) or "
                          "--config.tokenizer_path")
-    tokenizer = Tokenizer.from_pretrained(path)
+    from sage_jax.data import char_tokenizer
+    tokenizer = Tokenizer(char_tokenizer.build()) if path == char_tokenizer.NAME else Tokenizer.from_pretrained(path)
     from sage_jax.data import templates
     template = templates.resolve_for(d, tokenizer, tools=_tool_schemas(config))
     fields = dict(problem_key=d.problem_field or None, answer_key=d.answer_field or None)
@@ -177,13 +178,14 @@ def _tool_schemas(config) -> list[dict] | None:
 
 
 def _math_set(name: str, split: str, config, data_dir, fields=None, limit=None, exclude=()) -> list[Example]:
-    """A math-reward data set; "arith_words" is generated (train: data.num_train, eval: data.num_eval, disjoint)."""
-    if name == "arith_words":
+    """A math-reward data set; "arith_words" and "products" are generated (train: data.num_train, eval:
+    data.num_eval, disjoint)."""
+    if name in ("arith_words", "products"):
         from sage_jax.data import word_problems
+        make = word_problems.generate if name == "arith_words" else word_problems.products
         if split == "train":
-            return word_problems.generate(config.data.num_train, config.seed)
-        return word_problems.generate(limit or config.data.num_eval, config.seed + 1,
-                                      exclude={ex.problem for ex in exclude})
+            return make(config.data.num_train, config.seed)
+        return make(limit or config.data.num_eval, config.seed + 1, exclude={ex.problem for ex in exclude})
     return loaders.load_dataset(name, split, data_dir=data_dir, limit=limit, **(fields or {}))
 
 

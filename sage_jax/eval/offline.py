@@ -22,7 +22,7 @@ from sage_jax.eval import tool_eval
 from sage_jax.eval.source import ModelSource, default_out, load_model, load_tokenizer, resolve_model
 from sage_jax.run import paths
 
-GENERATED_SETS = ("arith_words",)  # made by a generator from the run's seed, not read from files
+GENERATED_SETS = ("arith_words", "products")  # made by a generator from the run's seed, not read from files
 COUNTDOWN_SETS = {"countdown": "test", "countdown_ood": "test_ood"}
 SETTINGS_FILE = "eval_settings.json"
 

@@ -166,10 +166,17 @@ def evaluate(mod, task, cfg, policy, host_params, config, workdir: str) -> dict[
     score = countdown.score if task.name == "countdown" else math_reward.score
     reward = lambda text, ex: score(text, task.gold(ex))
     out = {}
-    with on_mesh(config) as mesh:
+    with on_mesh(config) as mesh, _tools(config, task) as tooling:
         params = _on_device(cfg, config, mesh, policy, host_params)
-        generate_fn = evaluation.make_generate_fn(cfg, params, task.tokenizer.decode, sampling, EVAL_SEED + config.seed,
-                                                  max_rows=max(rows, ev.n))
+        if tooling is None:
+            generate_fn = evaluation.make_generate_fn(cfg, params, task.tokenizer.decode, sampling,
+                                                      EVAL_SEED + config.seed, max_rows=max(rows, ev.n))
+        else:  # the run's tools, as it trained: the reward reads the model's own tokens only
+            from sage_jax.eval import tool_eval
+            tools, pool = tooling
+            generate_fn = tool_eval.make_eval_generate_fn(cfg, params, task.tokenizer.decode, sampling,
+                                                          EVAL_SEED + config.seed, max(rows, ev.n), tools.fmt, pool,
+                                                          tools.settings)
         for split, examples in eval_sets(mod, task, config).items():
             out_dir = os.path.join(workdir, "eval", split)
             evaluation.evaluate(task.tokenizer, examples, reward, n=ev.n, ks=list(ev.ks), out_dir=out_dir,
@@ -178,6 +185,21 @@ def evaluate(mod, task, cfg, policy, host_params, config, workdir: str) -> dict[
             out[split] = problem_stats(evaluation.read_samples(os.path.join(out_dir, "samples.jsonl")), examples,
                                        task.name)
     return out
+
+
+@contextlib.contextmanager
+def _tools(config, task) -> Iterator[Any]:
+    """(tool_eval.Tooling, its ToolPool) for a config with rollout.tools, else None."""
+    ro = config.rollout
+    if not tuple(ro.get("tools", ())):
+        yield None
+        return
+    from sage_jax.eval import tool_eval
+    from sage_jax.tools.base import ToolPool
+    opts = {"tools": list(ro.tools), **{k: type(d)(ro.get(k, d)) for k, d in tool_eval.TOOL_DEFAULTS.items()}}
+    tooling = tool_eval.make_tooling(opts, task.tokenizer)
+    with ToolPool(tooling.tools, num_workers=opts["tool_workers"]) as pool:
+        yield tooling, pool
 
 
 def entropy_profile(mod, task, cfg, host_params, config) -> dict[str, Any]:

@@ -337,7 +337,7 @@ def regime_summary(mod, names: Sequence[str], found: Mapping[str, Mapping[str, M
         cpu = sum(r.get("times", {}).get(k, 0.0) for arm in runs.values() for r in arm.values()
                   for k in ("train_cpu_s", "eval_cpu_s"))
         out[name] = {"settings": dict(settings), "why": why, "rollouts": costs[name], "cpu_h": cpu / 3600,
-                     **regime_verdict(mod, runs.get("base", {}), runs.get("grpo", {}))}
+                     **regime_verdict(mod, runs.get("base", {}), runs.get(option(mod, "BASELINE_ARM", "grpo"), {}))}
     return out
 
 

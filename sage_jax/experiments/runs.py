@@ -45,7 +45,8 @@ ENTROPY_KEYS = ("model.", "data.", "rollout.", "experiment.data_seed", "experime
 INERT = {"rollout.partial": (False, ("rollout.partial", "rollout.oversample", "rollout.max_lag")),
          "rollout.decode_attention": ("auto", ("rollout.decode_attention",)),
          "rollout.tools": ([], ("rollout.tools", "rollout.tool_format", "rollout.max_turns", "rollout.tool_timeout",
-                                "rollout.max_tool_tokens", "rollout.tool_workers", "rollout.tool_return_share"))}
+                                "rollout.max_tool_tokens", "rollout.tool_workers", "rollout.tool_return_share")),
+         "sft.tool_share": (0.0, ("sft.tool_share",))}
 
 
 class Job(NamedTuple):
@@ -133,6 +134,13 @@ def fingerprint(mod, config) -> str:
     """What a finished result is matched on: every setting that changes the run (the base: its evaluation only)."""
     kind = "run" if config.experiment.rl else "base"
     return _hash({"kind": kind, **_picked(mod, config, None if kind == "run" else option(mod, "BASE_KEYS", BASE_KEYS))})
+
+
+def sft_fingerprint(mod, config) -> str:
+    """What an SFT base is matched on: the settings' SFT_KEYS where it names them (so base arms that differ in their
+    evaluation alone share one base), else the base arm's fingerprint."""
+    keys = option(mod, "SFT_KEYS")
+    return fingerprint(mod, config) if keys is None else _hash({"kind": "sft", **_picked(mod, config, keys)})
 
 
 def entropy_fingerprint(mod, config) -> str:

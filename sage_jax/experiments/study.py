@@ -36,11 +36,17 @@ from typing import Any, Sequence
 
 from sage_jax.experiments import measure, report
 from sage_jax.experiments.runs import (Job, entropy_fingerprint, fingerprint, flat, load_config, option, read_json,
-                                       read_result, run_job, settings, takes_tau, timed, write_result)
+                                       read_result, run_job, settings, sft_fingerprint, takes_tau, timed,
+                                       write_result)
 from sage_jax.run import config as config_lib
 
 
 # --------------------------------------------------------------------------------------------------- the work list
+
+def baseline(mod) -> str:
+    """The arm the regime is chosen on and whose config the session loads (BASELINE_ARM; GRPO by default)."""
+    return option(mod, "BASELINE_ARM", "grpo")
+
 
 def seeds_for(mod, arm: str, preset: str, seeds: int | None) -> int:
     return seeds if seeds is not None else mod.seeds_for(arm, preset)
@@ -71,7 +77,7 @@ def job(mod, arm, seed, preset, overrides, results, work, tau, sub, settings_=No
 
 def sweep_jobs(mod, preset: str, seeds: int | None, overrides, results: str, work: str, tau, sweep_taus) -> list[Job]:
     """The Branch sweep's cells (experiment.sweep_*): the gamma x tau grid, or a cross through the arm's own point."""
-    ex = load_config(mod, "grpo", preset, overrides).experiment
+    ex = load_config(mod, baseline(mod), preset, overrides).experiment
     arm = ex.sweep_arm
     centre = load_config(mod, arm, preset, overrides, tau=tau)
     gamma0, tau0 = centre.loss.gamma, centre.loss.tau
@@ -143,7 +149,7 @@ class Session:
         task, sft_task = self.task, self._tasks[1]
         base = config.copy_and_resolve_references()
         base.experiment.rl, base.seed = False, 0
-        key = fingerprint(self.mod, base) if sft_task is not None else "pretrained"
+        key = sft_fingerprint(self.mod, base) if sft_task is not None else "pretrained"
         if key not in self._bases:
             workdir = os.path.join(self.work, "base", f"sft-{key[:8]}")
             with timed(workdir, "sft") if sft_task is not None else contextlib.nullcontext():
@@ -254,13 +260,13 @@ def regime(args, overrides: Sequence[str], session: Session) -> dict[str, Any]:
         raise ValueError(f"--candidates: unknown {', '.join(unknown)}; choose from {', '.join(mod.REGIME_CANDIDATES)}")
     found, costs = {}, {}
     for name in names:
-        jobs = make_jobs(mod, ["base", "grpo"], args.seeds or 3, args.preset, overrides, args.results, args.work,
+        jobs = make_jobs(mod, ["base", baseline(mod)], args.seeds or 3, args.preset, overrides, args.results, args.work,
                          None, sub=os.path.join("regime", name), settings_=mod.candidate(name, args.preset))
         costs[name] = report.rollouts(jobs[-1].config)
         if not args.report_only:
             run_all(jobs, session)
         found[name] = found_records(jobs, args.results)
-        if args.report_only and "grpo" not in found[name]:
+        if args.report_only and baseline(mod) not in found[name]:
             del found[name]  # never run: not part of the search's report
             continue
         if report.regime_summary(mod, [name], found, costs)[name]["kept"] and not args.regime_all:
@@ -298,7 +304,7 @@ def parse(argv: Sequence[str], command: str = "python -m sage_jax.experiments.st
         raise ValueError(f"{args.settings} is not a study's settings file (it lacks {', '.join(missing)}): see "
                          "configs/smollm2_arms.py")
     args.preset = "quick" if args.quick else args.preset or mod.parse_arg(None)[1]
-    mod.parse_arg(f"grpo,{args.preset}")  # an unknown preset: one line naming the presets
+    mod.parse_arg(f"{baseline(mod)},{args.preset}")  # an unknown preset: one line naming the presets
     args.results = args.results or args.out
     known = list(mod.ARMS)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()] or list(mod.SEEDS_PER_ARM)
@@ -314,7 +320,7 @@ def main(argv: Sequence[str] | None = None, command: str = "python -m sage_jax.e
     """shown: the flags as the user gave them (an alias's), for the command each result records."""
     argv = list(sys.argv[1:] if argv is None else argv)
     mod, args, arms, overrides = parse(argv, command)
-    session = Session(mod, load_config(mod, "grpo", args.preset, overrides),
+    session = Session(mod, load_config(mod, baseline(mod), args.preset, overrides),
                       f"{command} {' '.join(argv if shown is None else shown)}", args.results, args.work)
     if not args.report_only:
         import jax

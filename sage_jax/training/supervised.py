@@ -1,7 +1,8 @@
 """Supervised fine-tuning (cross-entropy on demonstrations): the warm-start before RL.
 
 Demonstrations are countdown solutions (spread unevenly over strategies, so RL starts from a base with a dominant
-mode and rarer valid ones) or a jsonl file of prompt/completion rows.
+mode and rarer valid ones), generated products of which sft.tool_share call the Python tool ("tool_traces"), or a
+jsonl file of prompt/completion rows.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ def demonstrations(config, task: tasks.Task) -> list[tuple[str, str]]:
         while len(demos) < s.num_demos:  # several passes: a problem's demos differ, drawn by the mode weights
             demos += countdown.demonstrations(problems, rng, dict(s.mode_weights))
         return [(d["prompt"], d["completion"]) for d in demos[:s.num_demos]]
+    if s.data == "tool_traces":  # products: a share of the demonstrations call the Python tool (word_problems)
+        from sage_jax.data import word_problems
+        if any("expression" not in ex.meta for ex in task.train):
+            raise ValueError("sft.data='tool_traces' demonstrates the generated products: set data.train=products")
+        pairs = word_problems.tool_demonstrations(task.train, float(s.get("tool_share", 0.0)), config.seed)
+        return [(task.prompt_text(loaders.Example(p, "")), c) for p, c in pairs]
     pairs = []
     for line, row in loaders.read_jsonl(s.data):
         if s.prompt_field not in row or s.completion_field not in row:
