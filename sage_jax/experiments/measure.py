@@ -73,6 +73,8 @@ def problem_stats(samples: Sequence[Mapping[str, Any]], examples: Sequence[Any],
         r = by_id[str(ex.meta["id"])]
         row = {"ids": str(r["id"]), "n": int(r["n"]), "correct": int(r["num_correct"]),
                **extra(r["completions"], r["rewards"], ex)}
+        if r.get("tools"):  # sampled with tools: the samples that called one
+            row["tool_rows"] = sum(1 for t in r["tools"] if t["calls"] > 0)
         for key, value in row.items():
             out.setdefault(key, []).append(value)
     return out
@@ -245,5 +247,6 @@ def training_curves(workdir: str) -> dict[str, list]:
     steps = sorted(by_step)
     names = {"entropy": "rl/entropy", "reward": "rl/reward", "accuracy": "rl/accuracy", "kl": "rl/kl",
              "kl_ref": "rl/kl_ref", "q_mean": "sage/q_mean", "q_p90": "sage/q_p90", "q_active": "sage/q_active",
-             "kl_cov": "loss/kl_cov", "pg_token_frac": "rl/pg_token_frac", "step_s": "time/step_s"}
+             "kl_cov": "loss/kl_cov", "pg_token_frac": "rl/pg_token_frac", "step_s": "time/step_s",
+             "tool_rows": "tools/rows_without_calls"}
     return {"step": steps, **{k: [by_step[s].get(v) for s in steps] for k, v in names.items()}}

@@ -39,6 +39,8 @@ def summarize(mod, record: Mapping[str, Any]) -> dict[str, Any]:
         for key in ("distinct", "distinct_forms", "distinct_correct", "distinct_answers"):
             if key in ev:
                 out[f"{split}/{key}"] = float(np.mean(ev[key]))
+        if "tool_rows" in ev:  # the share of samples that called a tool
+            out[f"{split}/tool_rows"] = float(np.sum(ev["tool_rows"]) / np.sum(ev["n"]))
         if "solutions" in ev:
             out[f"{split}/coverage"] = float(np.mean([d / s for d, s in zip(ev["distinct"], ev["solutions"])]))
         if "strategies" in ev:  # each strategy's share of the correct samples
@@ -48,6 +50,8 @@ def summarize(mod, record: Mapping[str, Any]) -> dict[str, Any]:
     for name in ("entropy", "reward", "kl", "kl_ref"):
         if curves.get(name):
             out[f"train/{name}_end"] = _tail(curves[name], option(mod, "TAIL", 0.25))
+    if any(v is not None for v in curves.get("tool_rows") or ()):  # logged as the rows that never called
+        out["train/tool_rows_end"] = 1.0 - _tail(curves["tool_rows"], option(mod, "TAIL", 0.25))
     for name in ("q_mean", "q_p90", "q_active"):
         value = guide.get(name) if guide.get(name) is not None else _tail(curves.get(name), 1.0)
         if not math.isnan(value):
@@ -129,13 +133,17 @@ def arms_table(mod, results: Mapping[str, Any]) -> str:
         head += [f"{label}pass@{k}" for k in ks]
         keys += [(f"{split}/pass@{k}", 3) for k in ks]
         for key, name in (("distinct", "distinct sols / problem"), ("distinct_forms", "distinct correct forms"),
-                          ("distinct_answers", "distinct answers"), ("coverage", "coverage")):
+                          ("distinct_answers", "distinct answers"), ("coverage", "coverage"),
+                          ("tool_rows", "samples calling the tool")):
             if any(f"{split}/{key}" in g for g in results["aggregate"].values()):
                 head.append(f"{label}{name}")
-                keys.append((f"{split}/{key}", 2 if key != "coverage" else 3))
+                keys.append((f"{split}/{key}", 2 if key not in ("coverage", "tool_rows") else 3))
     head += ["train reward (end)", "entropy (end)", "q_mean", "q ≠ 1 share", "CPU min / run"]
     keys += [("train/reward_end", 3), ("train/entropy_end", 3), ("train/q_mean", 3), ("train/q_active", 3),
              ("cpu_min", 1)]
+    if any("train/tool_rows_end" in g for g in results["aggregate"].values()):
+        head.insert(-1, "rollouts calling the tool (end)")
+        keys.insert(-1, ("train/tool_rows_end", 3))
     return table(head, [[arm, str(len(results["per_seed"][arm]))] + [_cell(agg, k, d) for k, d in keys]
                         for arm, agg in results["aggregate"].items()])
 
