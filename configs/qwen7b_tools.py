@@ -4,9 +4,10 @@ blocks, each runs in the sandbox, its output comes back as an untrained ```outpu
     python -m sage_jax.train --config configs/qwen7b_tools.py --workdir gs://BUCKET/qwen7b_tools \
         --config.model.path=/path/to/Qwen2.5-Math-7B
 
-Hardware: as configs/qwen7b_branch.py (TPU v5p-64 or 32 x H100/H200), on one host process for now (tool rollouts
-run on one process: training/tool_rollouts.py). Up to 4 calls per row, each at most 5 s and 512 output tokens, all
-within the 6144-token budget. Not run yet: no result to expect from here (issue 49's learning study is open).
+Hardware: as configs/qwen7b_branch.py (TPU v5p-64 or 32 x H100/H200). On a multi-host slice the first host runs
+the tools and tells the others which calls have answered (eval/tool_loop.py). Up to 4 calls per row, each at most
+5 s and 512 output tokens, all within the 6144-token budget. Not run at this scale: no result to expect from here
+(the CPU study of configs/tools_arms.py is the learning result).
 Plan it: `python -m sage_jax.plan --config configs/qwen7b_tools.py --compiler tpu --chip v5p --topology 2x4x4`.
 """
 

@@ -55,10 +55,7 @@ def make_tooling(opts: dict[str, Any], tokenizer: Any) -> Tooling | None:
     machine cannot run, or a format the tokenizer cannot express, is refused here in one line."""
     if not opts:
         return None
-    import jax
     from sage_jax.tools.registry import SCHEMAS, make_tools
-    if jax.process_count() > 1:
-        raise ValueError("--tools runs on one process for now (which samples wait on a tool depends on timing)")
     if getattr(tokenizer, "hf", None) is None:
         raise ValueError("--tools needs a Hugging Face tokenizer to find the model's calls; this model's own "
                          "tokenizer has none (evaluate it with --tools none)")

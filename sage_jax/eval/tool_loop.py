@@ -15,7 +15,9 @@ with the model, params, sampling settings and seed `key` bound (bind_sampler). T
 leaves the pool (done); a fence that opens a block is a false stop, drawn past in a call without those stops.
 Calls return once a share of their groups is complete (stop_after_groups); the rows still running come back in the
 next call beside the rows whose tools have answered, so the pool keeps decoding while tools run, and only when no
-row is left to decode does the loop wait for a tool.
+row is left to decode does the loop wait for a tool. On several processes (a multi-host slice) every process runs
+this loop over the same sampler calls; process 0 alone runs the tools and broadcasts which calls have answered and
+their outputs (_Answers), so the processes never diverge on the tools' timing.
 
 A row is token in, token out (data/segments.py): sampled segments keep the ids and behaviour log-probs the sampler
 returned; observed segments (tool output, in the template's tool turn or the plain ```output wrapper) are
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import math
 import time
 from typing import Any, Callable, Sequence
@@ -124,7 +127,7 @@ class _Row:
         self.sampled += [1] * (length - carried)
 
 
-def _submit_call(row: _Row, fmt: ToolFormat, pool: ToolPool, settings: ToolSettings) -> None:
+def _submit_call(row: _Row, fmt: ToolFormat, pool: "_Answers", settings: ToolSettings) -> None:
     """The row stopped on a call-end token: its call goes to the pool (or it ends: too many calls)."""
     turn = row.tokens[row.turn_start:]
     row.messages.append({"role": "assistant", "content": fmt.turn_text(turn)})
@@ -167,7 +170,7 @@ def _take_output(row: _Row, fmt: ToolFormat, settings: ToolSettings) -> bool:
     return True
 
 
-def _absorb(out, rows: list[_Row], fmt: ToolFormat, pool: ToolPool, settings: ToolSettings
+def _absorb(out, rows: list[_Row], fmt: ToolFormat, pool: "_Answers", settings: ToolSettings
             ) -> tuple[list[_Row], list[_Row]]:
     """Reads one call's output into its rows -> (the rows still running: they go on next call; the rows stopped on
     a call-end token that ends no call, e.g. a fence that opens a block: they draw on past it first)."""
@@ -215,24 +218,66 @@ def _draw_past(generate_fn: Callable, rows: list[_Row], prompt: list[int], key, 
     return going
 
 
+class _Answers:
+    """Which calls have answered, decided once for every process. One process: the calls whose futures are done.
+    Several (a multi-host slice): process 0 alone runs the tools, and each time says which calls have answered and
+    what they returned (a broadcast), so every process carries the same rows into the same sampler calls, in the
+    same order, whatever the tools' timing; the other processes' calls are futures that only a broadcast fills."""
+
+    def __init__(self, pool: ToolPool):
+        import jax
+        self.pool, self.lead, self.shared = pool, jax.process_index() == 0, jax.process_count() > 1
+
+    def submit(self, name: str, arguments: Any) -> concurrent.futures.Future:
+        return self.pool.submit(name, arguments) if self.lead else concurrent.futures.Future()
+
+    def answered(self, rows: list[_Row]) -> list[_Row]:
+        done = [r for r in rows if r.future is not None and r.future.done()]
+        if not self.shared:
+            return done
+        said = _broadcast([[r.row_id, *dataclasses.astuple(r.future.result())] for r in done] if self.lead else None)
+        by_id, out = {r.row_id: r for r in rows}, []
+        for row_id, *fields in said:
+            row = by_id[row_id]
+            row.future = concurrent.futures.Future()
+            row.future.set_result(ToolOutput(*fields))
+            out.append(row)
+        return out
+
+    def wait(self, rows: list[_Row]) -> float:
+        """Until a call answers (process 0; the others wait in the next broadcast) -> seconds waited."""
+        pending = [r.future for r in rows if r.future is not None and (self.lead or not self.shared)]
+        start = time.perf_counter()
+        concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+        return time.perf_counter() - start
+
+
+def _broadcast(message: Any) -> Any:
+    """Process 0's JSON-able message, on every process (the others pass None)."""
+    from jax.experimental import multihost_utils
+    data = np.frombuffer(json.dumps(message).encode(), np.uint8) if message is not None else np.zeros(0, np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.int64(data.size)))
+    buffer = np.zeros(size, np.uint8)
+    buffer[:data.size] = data[:size]
+    return json.loads(np.asarray(multihost_utils.broadcast_one_to_all(buffer)).tobytes().decode())
+
+
 def generate_with_tools(generate_fn: Callable, prompts: Sequence[Sequence[int]], num_samples: int, fmt: ToolFormat,
                         pool: ToolPool, settings: ToolSettings, max_new_tokens: int, key) -> dict[str, Any]:
     """Rollouts of G = num_samples rows per prompt with tool calls (module docstring) -> host arrays and stats."""
     G, prompts = num_samples, [[int(t) for t in p] for p in prompts]
     rows = [_Row(b, prompts[b], b * G + g, max_new_tokens) for b in range(len(prompts)) for g in range(G)]
-    t0, waited, calls = time.perf_counter(), 0.0, 1
+    t0, waited, calls, answers = time.perf_counter(), 0.0, 1, _Answers(pool)
     stop = max(1, math.ceil(settings.return_share * len(prompts)))
-    running, false_stops = _absorb(generate_fn(prompts, G, (), stop, None, fmt.end_ids), rows, fmt, pool, settings)
+    running, false_stops = _absorb(generate_fn(prompts, G, (), stop, None, fmt.end_ids), rows, fmt, answers,
+                                   settings)
     while True:
         running += _draw_past(generate_fn, false_stops, prompts[0], key, fmt) if false_stops else []
-        answered = [r for r in rows if r.future is not None and r.future.done()]
+        answered = answers.answered(rows)
         if not running and not answered:
-            pending = [r.future for r in rows if r.future is not None]
-            if not pending:
+            if not any(r.future is not None for r in rows):
                 break
-            start = time.perf_counter()
-            concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
-            waited += time.perf_counter() - start
+            waited += answers.wait(rows)
             false_stops = []
             continue
         back = running + [r for r in answered if _take_output(r, fmt, settings)]
@@ -245,7 +290,7 @@ def generate_with_tools(generate_fn: Callable, prompts: Sequence[Sequence[int]],
         calls += 1
         out = type(out)(**{k: (v[1:] if v is not None and np.ndim(v) else v)  # the per-row fields, not the counts
                            for k, v in out._asdict().items()})
-        running, false_stops = _absorb(out, back, fmt, pool, settings)
+        running, false_stops = _absorb(out, back, fmt, answers, settings)
     return _arrays(rows, max_new_tokens, waited, time.perf_counter() - t0, calls)
 
 

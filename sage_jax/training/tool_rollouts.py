@@ -18,12 +18,10 @@ from sage_jax.tools.base import ToolPool
 
 def rollout_tool_rows(task, cfg, params, prompts: list[list[int]], rollout_cfg, key) -> dict[str, Any]:
     """rollouts.rollout_phases' rows with rollout.tools: the run's sampler bound into generate_fn, the tools in a
-    pool for the call. One process only (which rows wait on a tool depends on timing, so processes would diverge)."""
-    import jax
+    pool for the call. On several processes, process 0 runs the tools and tells the others which calls answered
+    (tool_loop._Answers), so every process decodes the same rows."""
     from sage_jax.sampling import sampler
     from sage_jax.tools.registry import make_tools
-    if jax.process_count() > 1:
-        raise ValueError("rollout.tools runs on one process for now: drop rollout.tools or run on a single host")
     if getattr(task.tokenizer, "hf", None) is None:
         raise ValueError(f"rollout.tools needs a Hugging Face tokenizer (--config.model.path or tokenizer_path); the "
                          f"{task.name!r} task's own tokenizer cannot find calls")

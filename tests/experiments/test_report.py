@@ -1,6 +1,7 @@
 """A study's report from its result files alone (sage_jax.experiments.report): numbers, Holm, guide activity."""
 
 import json
+import types
 
 import pytest
 
@@ -101,3 +102,32 @@ def test_noise_guides_are_not_judged_by_the_one_percent_rule(tmp_path):
     text = report.write(SMOL, str(tmp_path), found, guides={"branch": "branch", "random": "random"})
     assert "| branch | 0.9 | 1.000 | 0.200 | 1.000 | **did not act** |" in text
     assert "| random | 0.9 | 1.000 | 0.200 | 1.000 | – (zero-mean noise: the 1% rule is for Branch) |" in text
+
+
+def test_the_tool_study_reports_the_samples_and_rollouts_calling_the_tool(tmp_path):
+    """configs/tools_arms.py's report: the share of evaluated samples that called the tool (per-problem counts) and
+    of training rollouts that did (logged as rows_without_calls: 1 minus its tail), where a run has them."""
+    from sage_jax.experiments import measure
+    tools = runs.settings("configs/tools_arms.py")
+    found = {}
+    for arm, calling in (("base", None), ("tool", [3, 1]), ("no_tool", None)):
+        for seed in range(2):
+            r = fake(arm, seed, f"{arm}{seed}", [2 + seed, 1])
+            r["arm_fingerprint"] = arm
+            if calling is not None:
+                r["eval"]["heldout"]["tool_rows"] = calling
+                r["curves"]["tool_rows"] = [0.75, 0.25]  # rows that never called, per step
+            found.setdefault(arm, {})[seed] = r
+    summary = report.summarize(tools, found["tool"][0])
+    assert summary["heldout/tool_rows"] == pytest.approx(4 / 8)
+    assert summary["train/tool_rows_end"] == pytest.approx(0.75)  # the tail: the last step of 2
+    assert "heldout/tool_rows" not in report.summarize(tools, found["no_tool"][0])
+    text = report.write(tools, str(tmp_path), found)
+    assert "samples calling the tool" in text and "rollouts calling the tool (end)" in text
+    assert "| tool | 2 |" in text and "tool − no_tool" in text
+    # problem_stats counts the samples of a problem that called a tool, from samples.jsonl's "tools"
+    sample = {"id": "p0", "n": 2, "num_correct": 1, "completions": ["1", "2"], "rewards": [1.0, 0.0],
+              "tools": [{"calls": 1}, {"calls": 0}]}
+    ex = types.SimpleNamespace(meta={"id": "p0"})
+    assert measure.problem_stats([sample], [ex], "math")["tool_rows"] == [1]
+    assert "tool_rows" not in measure.problem_stats([{**sample, "tools": []}], [ex], "math")

@@ -306,3 +306,20 @@ def test_quick_smollm2_study_on_the_real_model_and_its_resume(tmp_path):
     again = runs.read_result(str(out / "runs" / "grpo" / "seed0.json"))
     assert again["eval"] == grpo["eval"] and again["curves"]["step"] == grpo["curves"]["step"]
     assert again["fingerprint"] == grpo["fingerprint"] and metrics.read_text().count("\n") == lines  # no new step
+
+
+@pytest.mark.slow  # ~100 s on 2 cores: the tool arm's sampler programs and the sandbox's evaluation
+def test_tiny_tool_study_runs_with_one_sft_base_and_reports(tmp_path):
+    """configs/tools_arms.py end to end: one SFT base for all four arms (the base arms differ in their evaluation's
+    tools only), the tool arm trained and evaluated with the Python tool, the report's tool columns."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    study.main(["--settings", "configs/tools_arms.py", "--preset", "tiny", "--out", str(out), "--work", str(work)])
+    assert len(list((work / "base").glob("sft-*"))) == 1
+    records = {arm: runs.read_result(str(out / "runs" / arm / "seed0.json"))
+               for arm in ("base", "base_tool", "no_tool", "tool")}
+    assert len({r["weights"] for r in records.values()}) == 1
+    assert "tool_rows" in records["tool"]["eval"]["heldout"] and "tool_rows" not in records["no_tool"]["eval"][
+        "heldout"]
+    assert any(v is not None for v in records["tool"]["curves"]["tool_rows"])
+    text = (out / "RESULTS.md").read_text()
+    assert "| tool | 1 |" in text and "samples calling the tool" in text

@@ -1,0 +1,30 @@
+"""The tool loop on two processes (a multi-host slice in small): process 0 alone runs the tools and tells the other
+which calls have answered, so both carry the same rows into the same sampler calls in the same order, whatever the
+tools' timing, and both end with the rows one process makes."""
+
+import json
+import subprocess
+import sys
+
+from tests.training.test_multihost import ROOT, _digest, _env, _free_port
+
+WORKER = f"{ROOT}/tests/eval/tool_loop_worker.py"
+
+
+def test_two_processes_decode_the_same_rows_and_only_process_0_runs_tools():
+    single = subprocess.run([sys.executable, WORKER], cwd=ROOT, env=_env(1), capture_output=True, text=True,
+                            timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen([sys.executable, WORKER, coordinator, "2", str(i)], cwd=ROOT, env=_env(1),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    one, lead, other = _digest(single.stdout), _digest(outs[0][0]), _digest(outs[1][0])
+    assert (lead["processes"], other["processes"], lead["process"], other["process"]) == (2, 2, 0, 1)
+    assert lead["carried"] == other["carried"] and len(lead["carried"]) >= 2  # the same calls, the same rows
+    assert lead["tokens"] == other["tokens"] == one["tokens"] and lead["mask"] == other["mask"] == one["mask"]
+    assert lead["calls_per_row"] == other["calls_per_row"] == 2.0
+    assert (lead["tool_calls_run"], other["tool_calls_run"], one["tool_calls_run"]) == (16, 0, 16)
+    assert json.dumps(lead["tokens"]).count("50, 51, 52, 53") == 16  # every call's output observed in its row
