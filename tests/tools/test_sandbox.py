@@ -23,14 +23,16 @@ def pool():
 
 
 def _sandbox_processes() -> list[int]:
-    pids = []
+    """Processes running as one of this test process's sandbox user ids (sandbox._UserIds: a block of 100 per
+    calling process), so sandboxes of other runs on the machine, e.g. a study's tool calls, do not count."""
+    pids, first = [], sandbox.UID_BASE + os.getpid() % 10_000 * 100
     for entry in os.listdir("/proc"):
         try:
             with open(f"/proc/{entry}/status") as f:
                 uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
         except (OSError, ValueError, StopIteration):
             continue
-        if sandbox.UID_BASE <= uid < sandbox.UID_BASE + 10**7:
+        if first < uid <= first + 100:
             pids.append(int(entry))
     return pids
 
