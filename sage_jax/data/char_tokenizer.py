@@ -3,7 +3,8 @@ configs/tools_arms.py): each printable ASCII character and the newline is one to
 ("```python\\n" opens a code block, "```" closes one), so the markdown tool-call format pauses a row on the one token
 that closes its block and never on the one that opens it. Anything else encodes as <unk>.
 
-    --config.tokenizer_path=chars     # tasks.build makes it in memory; a checkpoint's export saves it like any other
+    --config.tokenizer_path=chars     # Tokenizer.from_pretrained("chars") makes it in memory (training, and
+                                      # evaluating a workdir of such a run); an export saves it like any other
 """
 
 from __future__ import annotations

@@ -143,8 +143,7 @@ def _build(config, tokenizer_path: str = "") -> Task:
     if not path:
         raise ValueError(f"task {d.task!r} needs a tokenizer: set --config.model.path (an HF directory) or "
                          "--config.tokenizer_path")
-    from sage_jax.data import char_tokenizer
-    tokenizer = Tokenizer(char_tokenizer.build()) if path == char_tokenizer.NAME else Tokenizer.from_pretrained(path)
+    tokenizer = Tokenizer.from_pretrained(path)
     from sage_jax.data import templates
     template = templates.resolve_for(d, tokenizer, tools=_tool_schemas(config))
     fields = dict(problem_key=d.problem_field or None, answer_key=d.answer_field or None)

@@ -125,6 +125,10 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> "Tokenizer":
+        """A tokenizer directory, or "chars": the built-in character tokenizer (data/char_tokenizer.py)."""
+        from sage_jax.data import char_tokenizer
+        if str(path) == char_tokenizer.NAME:
+            return cls(char_tokenizer.build())
         path = Path(path).expanduser()
         if not path.is_dir():
             raise FileNotFoundError(f"tokenizer directory {path} does not exist (download the model first, e.g. "

@@ -98,8 +98,9 @@ def load_tokenizer(source: ModelSource, task: str, tokenizer_dir: str = "") -> A
     if source.run_config is not None:
         candidates += [source.run_config.tokenizer_path, source.run_config.model.path]
     tok_files = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+    from sage_jax.data import char_tokenizer
     for c in candidates:
-        if c and any((Path(c).expanduser() / f).exists() for f in tok_files):
+        if c == char_tokenizer.NAME or c and any((Path(c).expanduser() / f).exists() for f in tok_files):
             return Tokenizer.from_pretrained(c)
     raise FileNotFoundError(f"no tokenizer files (tokenizer.json / tokenizer_config.json) in "
                             f"{candidates or [source.path]}; pass --tokenizer DIR")

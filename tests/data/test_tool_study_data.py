@@ -29,6 +29,16 @@ def test_the_character_tokenizer_keeps_fences_whole_and_round_trips(tmp_path):
     assert again.encode(TRACE) == list(ids) and again.eos_ids == tok.eos_ids and len(again.hf) == len(hf)
 
 
+def test_chars_names_the_tokenizer_for_training_and_for_evaluating_a_workdir(tmp_path):
+    """tokenizer_path=chars: Tokenizer.from_pretrained builds it, and `evaluate --model WORKDIR` of such a run finds
+    it through the run's config as it finds a tokenizer directory."""
+    from sage_jax.eval.source import ModelSource, load_tokenizer
+    tok = Tokenizer.from_pretrained("chars")
+    assert tok.encode(TRACE) == char_tokenizer.build().encode(TRACE, add_special_tokens=False)
+    source = ModelSource("checkpoint", tmp_path, 2, _config(), tmp_path)
+    assert load_tokenizer(source, "math").encode(TRACE) == tok.encode(TRACE)
+
+
 def test_the_markdown_format_pauses_only_on_the_closing_fence():
     from sage_jax.eval.tool_loop import format_for
     from sage_jax.tools.python_tool import PythonTool
