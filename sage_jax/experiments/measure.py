@@ -10,6 +10,7 @@ distinct final numbers among all samples.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import json
@@ -192,13 +193,12 @@ def evaluate(mod, task, cfg, policy, host_params, config, workdir: str) -> dict[
 @contextlib.contextmanager
 def _tools(config, task) -> Iterator[Any]:
     """(tool_eval.Tooling, its ToolPool) for a config with rollout.tools, else None."""
-    ro = config.rollout
-    if not tuple(ro.get("tools", ())):
-        yield None
-        return
     from sage_jax.eval import tool_eval
     from sage_jax.tools.base import ToolPool
-    opts = {"tools": list(ro.tools), **{k: type(d)(ro.get(k, d)) for k, d in tool_eval.TOOL_DEFAULTS.items()}}
+    opts = tool_eval.tool_options(argparse.Namespace(tools=None), config)  # the run's own rollout.tools and limits
+    if not opts:
+        yield None
+        return
     tooling = tool_eval.make_tooling(opts, task.tokenizer)
     with ToolPool(tooling.tools, num_workers=opts["tool_workers"]) as pool:
         yield tooling, pool
