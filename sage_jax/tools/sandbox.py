@@ -64,7 +64,8 @@ class _UserIds:
 
     def __init__(self):
         self._free: list[int] = []
-        self._next = UID_BASE + os.getpid() % 10_000 * 100
+        self.first = UID_BASE + os.getpid() % 10_000 * 100  # this process's block: first + 1 .. first + 100
+        self._next = self.first
         self._lock = threading.Lock()
 
     def take(self) -> int:

@@ -25,7 +25,7 @@ def pool():
 def _sandbox_processes() -> list[int]:
     """Processes running as one of this test process's sandbox user ids (sandbox._UserIds: a block of 100 per
     calling process), so sandboxes of other runs on the machine, e.g. a study's tool calls, do not count."""
-    pids, first = [], sandbox.UID_BASE + os.getpid() % 10_000 * 100
+    pids, first = [], sandbox.USER_IDS.first
     for entry in os.listdir("/proc"):
         try:
             with open(f"/proc/{entry}/status") as f:
