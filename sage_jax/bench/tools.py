@@ -5,10 +5,11 @@
 One random-weight model, one set of prompts and one seed. The tool-free arm is one sampler.generate call. In the
 tool arm a row pauses at the first time it draws a marker token, chosen from the tool-free run as the token that
 about half of the rows draw, so about half the rows call once (rollout.max_turns 1); the call sleeps --tool-ms and
-its output is 4 observed tokens; the row resumes through training/tool_rollouts.py as in training. Generation
-tokens/s counts sampled tokens only. Each arm's figure is the median of --repeats timed runs after warm-up runs
-(until one compiles no new sampler program: which calls a run makes depends on the tools' timing), the arms
-interleaved.
+its output is 4 observed tokens; the row resumes through eval/tool_loop.py as in training: in the pool, which stays
+on the device and keeps decoding the other rows while the tool runs (arm "tools", sampling/session.py), and by
+returning from the sampler and coming back in a new call (arm "tools_calls", --return-share). Generation tokens/s
+counts sampled tokens only. Each arm's figure is the median of --repeats timed runs after warm-up runs (until one
+compiles no new sampler program: which calls a run makes depends on the tools' timing), the arms interleaved.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import numpy as np
 
 from sage_jax.models import decoder as model_lib
 from sage_jax.sampling import sampler
+from sage_jax.sampling.session import PoolSession
 from sage_jax.tools.base import ToolOutput, ToolPool
 from sage_jax.tools.calls import ToolCall
 from sage_jax.training import tool_rollouts
@@ -76,8 +78,9 @@ def main(argv: list[str]) -> list[dict]:
     p.add_argument("--tool-ms", type=float, default=100.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workers", type=int, default=16, help="tool calls at once")
-    p.add_argument("--return-share", type=float, default=1.0, help="a sampler call returns once this share of "
-                   "its groups is complete (1: when every row has stopped)")
+    p.add_argument("--return-share", type=float, default=1.0, help="tools_calls: a sampler call returns once "
+                   "this share of its groups is complete (1: when every row has stopped)")
+    p.add_argument("--steps-per-call", type=int, default=8, help="tools: decode steps between two looks at the rows")
     args = p.parse_args(argv[1:])
     cfg = model_lib.ModelConfig(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                                 head_dim=32, intermediate_size=512, rope_theta=10000.0, max_position_embeddings=1024)
@@ -97,34 +100,40 @@ def main(argv: list[str]) -> list[dict]:
                                                stop_after_groups=stop, row_max_new_tokens=limits,
                                                min_rows=B * G + 1 if resume else 0))
 
-    settings = tool_rollouts.ToolSettings(max_turns=1, return_share=args.return_share)
+    def session(prompts_, num_samples, pause_ids, steps_per_call):  # the in-pool path (tool_loop.bind_sampler's)
+        return PoolSession(cfg, params, prompts_, C, temperature=1.0, eos_ids=(eos,), seed=key,
+                           num_samples=num_samples, pause_ids=pause_ids, steps_per_call=steps_per_call)
+    generate_fn.session = session
+    settings = {"tools": tool_rollouts.ToolSettings(max_turns=1, steps_per_call=args.steps_per_call),
+                "tools_calls": tool_rollouts.ToolSettings(max_turns=1, return_share=args.return_share, in_pool=False)}
+    arms = ("plain", *settings)
     with ToolPool({"sleep": _SleepTool(args.tool_ms / 1000)}, num_workers=args.workers) as pool:
-        def with_tools():
-            return tool_rollouts.generate_with_tools(generate_fn, prompts, G, _MarkerFormat(marker), pool, settings,
-                                                     C, key)
-        for _ in range(6):  # warm-up until a run compiles nothing new (which calls a run makes depends on timing)
-            before = sampler.compile_count()
-            with_tools()
-            if sampler.compile_count() == before:
-                break
-        times = {"plain": [], "tools": []}
-        counts = {}
+        def run(arm):
+            if arm == "plain":
+                return int(np.asarray(jax.block_until_ready(plain()).lengths).sum()), None
+            ro = tool_rollouts.generate_with_tools(generate_fn, prompts, G, _MarkerFormat(marker), pool,
+                                                   settings[arm], C, key)
+            return int(ro["sampled_mask"].sum()), ro["tool_stats"]
+        for arm in settings:
+            for _ in range(6):  # warm-up until a run compiles nothing new (the calls made depend on the tools' timing)
+                before = sampler.compile_count()
+                run(arm)
+                if sampler.compile_count() == before:
+                    break
+        times, counts, stats = {arm: [] for arm in arms}, {}, {}
         for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            out = jax.block_until_ready(plain())
-            times["plain"].append(time.perf_counter() - t0)
-            counts["plain"] = int(np.asarray(out.lengths).sum())
-            t0 = time.perf_counter()
-            ro = with_tools()
-            times["tools"].append(time.perf_counter() - t0)
-            counts["tools"] = int(ro["sampled_mask"].sum())
-            calls = ro["tool_stats"]["tools/calls_per_row"]
-    rows = [{"arm": arm, "rows": B * G, "new_tokens": C, "tool_ms": args.tool_ms, "return_share": args.return_share,
-             "sampled_tokens": counts[arm],
+            for arm in arms:
+                t0 = time.perf_counter()
+                counts[arm], stats[arm] = run(arm)
+                times[arm].append(time.perf_counter() - t0)
+    rows = [{"arm": arm, "rows": B * G, "new_tokens": C, "tool_ms": args.tool_ms, "sampled_tokens": counts[arm],
              "median_s": statistics.median(times[arm]), "tokens_per_s": counts[arm] / statistics.median(times[arm])}
-            for arm in ("plain", "tools")]
-    rows[1].update(calls_per_row=calls, marker_share=share, sampler_calls=ro["tool_stats"]["tools/sampler_calls"],
-                   ratio=rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"])
+            for arm in arms]
+    for r in rows[1:]:
+        st = stats[r["arm"]]
+        r.update(calls_per_row=st["tools/calls_per_row"], marker_share=share, sampler_calls=st["tools/sampler_calls"],
+                 ratio=r["tokens_per_s"] / rows[0]["tokens_per_s"])
+    rows[1]["steps_per_call"], rows[2]["return_share"] = args.steps_per_call, args.return_share
     for r in rows:
         print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
     return rows

@@ -1,8 +1,8 @@
 """Tool-integrated rollouts: a row pauses at its tool call's end, the call runs in the tool pool while the other rows
-decode, and the row comes back into the pool with the tool's output prefilled (sampler.generate's resume). The loop
-needs only the sampler, the tools, data/segments and the tokenizer, so it sits here, below both of its users:
-training/tool_rollouts.py (RL rollouts with rollout.tools) and offline evaluation (`python -m sage_jax.evaluate
---tools ...`, eval/tool_eval.py).
+decode, and the row goes on with the tool's output after its tokens (in its decode slot, or through a later sampler
+call that prefills it: below). The loop needs only the sampler, the tools, data/segments and the tokenizer, so it
+sits here, below both of its users: training/tool_rollouts.py (RL rollouts with rollout.tools) and offline
+evaluation (`python -m sage_jax.evaluate --tools ...`, eval/tool_eval.py).
 
     fmt = format_for(tokenizer.hf, "markdown", tools)         # or "hermes": the chat template's <tool_call> turns
     with ToolPool(tools, num_workers=8) as pool:
@@ -10,14 +10,21 @@ training/tool_rollouts.py (RL rollouts with rollout.tools) and offline evaluatio
     ro["tokens"], ro["sampled_mask"], ro["sampler_logp"]      # [N, max_new_tokens]; NaN log-probs where observed
 
 `generate_fn(prompts, num_samples, resume, stop_after_groups, row_max_new_tokens, extra_eos)` is sampler.generate
-with the model, params, sampling settings and seed `key` bound (bind_sampler). The call-end tokens
-(`</tool_call>`, or every token whose text ends with ```) are stop tokens of every call, so a row that writes one
-leaves the pool (done); a fence that opens a block is a false stop, drawn past in a call without those stops.
-Calls return once a share of their groups is complete (stop_after_groups); the rows still running come back in the
-next call beside the rows whose tools have answered, so the pool keeps decoding while tools run, and only when no
-row is left to decode does the loop wait for a tool. On several processes (a multi-host slice) every process runs
-this loop over the same sampler calls; process 0 alone runs the tools and broadcasts which calls have answered and
-their outputs (_Answers), so the processes never diverge on the tools' timing.
+with the model, params, sampling settings and seed `key` bound (bind_sampler). The call-end tokens (`</tool_call>`,
+or every token whose text ends with ```) stop a row at its call.
+
+In the pool (bind_sampler's generate_fn.session, one process: _in_pool): the rows decode in one pool kept on the
+device (sampling/session.py), the call-end tokens are its pause ids, and every ToolSettings.steps_per_call decode
+steps the loop looks at the rows: a row that paused submits its call (and keeps its slot and cache), a call that
+answered has its output appended to its row, which goes on in its slot (the output fed one token per step, never
+drawn), so nothing is prefilled again and the pool decodes while tools run; a fence that opens a block is released
+at once. Through sampler calls (a scripted generate_fn, several processes, or in_pool=False): the call-end tokens are
+stop tokens of every call, so a row that writes one leaves the pool (done); a fence that opens a block is a false
+stop, drawn past in a call without those stops. Calls return once a share of their groups is complete
+(stop_after_groups); the rows still running come back in the next call beside the rows whose tools have answered,
+and only when no row is left to decode does the loop wait for a tool. On several processes (a multi-host slice)
+every process runs this loop over the same sampler calls; process 0 alone runs the tools and broadcasts which calls
+have answered and their outputs (_Answers), so the processes never diverge on the tools' timing.
 
 A row is token in, token out (data/segments.py): sampled segments keep the ids and behaviour log-probs the sampler
 returned; observed segments (tool output, in the template's tool turn or the plain ```output wrapper) are
@@ -48,11 +55,15 @@ class ToolSettings:
     max_turns: int = 4  # tool calls per row; a row that makes one more ends there
     max_tool_tokens: int = 512  # a tool's output is cut to this many tokens (head and tail kept)
     return_share: float = 1.0  # a call returns once this share of its groups is complete (rollout.tool_return_share)
+    in_pool: bool = True  # rows pause in one pool kept on the device (sampling/session.py) where the sampler offers it
+    steps_per_call: int = 8  # in the pool: decode steps between two looks at the rows (paused, stopped, answered)
 
     def __post_init__(self):
-        if self.max_turns < 1 or self.max_tool_tokens < 1 or not 0 < self.return_share <= 1:
-            raise ValueError(f"rollout.max_turns and rollout.max_tool_tokens must be >= 1 and the return share in "
-                             f"(0, 1]; got {self.max_turns}, {self.max_tool_tokens}, {self.return_share}")
+        if self.max_turns < 1 or self.max_tool_tokens < 1 or not 0 < self.return_share <= 1 or \
+                self.steps_per_call < 1:
+            raise ValueError(f"rollout.max_turns, rollout.max_tool_tokens and steps_per_call must be >= 1 and the "
+                             f"return share in (0, 1]; got {self.max_turns}, {self.max_tool_tokens}, "
+                             f"{self.steps_per_call}, {self.return_share}")
 
 
 class ToolFormat:
@@ -268,6 +279,11 @@ def generate_with_tools(generate_fn: Callable, prompts: Sequence[Sequence[int]],
     G, prompts = num_samples, [[int(t) for t in p] for p in prompts]
     rows = [_Row(b, prompts[b], b * G + g, max_new_tokens) for b in range(len(prompts)) for g in range(G)]
     t0, waited, calls, answers = time.perf_counter(), 0.0, 1, _Answers(pool)
+    start_session = getattr(generate_fn, "session", None)
+    if start_session is not None and settings.in_pool and not answers.shared:
+        session = start_session(prompts, G, fmt.end_ids, settings.steps_per_call)
+        waited = _in_pool(session, rows, fmt, answers, settings)
+        return _arrays(rows, max_new_tokens, waited, time.perf_counter() - t0, session.calls)
     stop = max(1, math.ceil(settings.return_share * len(prompts)))
     running, false_stops = _absorb(generate_fn(prompts, G, (), stop, None, fmt.end_ids), rows, fmt, answers,
                                    settings)
@@ -294,6 +310,40 @@ def generate_with_tools(generate_fn: Callable, prompts: Sequence[Sequence[int]],
     return _arrays(rows, max_new_tokens, waited, time.perf_counter() - t0, calls)
 
 
+def _in_pool(session, rows: list[_Row], fmt: ToolFormat, answers: _Answers, settings: ToolSettings) -> float:
+    """The rows decoded in one pool kept on the device (sampling/session.py): a row pauses in its slot, cache
+    kept, at its call's end, the other rows decode on while the call runs, and it goes on in its slot with the output
+    appended (fed one token per step), so nothing is prefilled again -> seconds waited with no row to decode."""
+    index, waited = {id(r): n for n, r in enumerate(rows)}, 0.0
+    while True:  # every steps_per_call decode steps: the rows that paused or stopped, and the calls answered
+        ran = session.advance()
+        for n in session.newly_stopped():
+            row = rows[n]
+            row.take_sampled(*session.row(n), int(session.lengths[n]))
+            if session.done[n]:  # EOS or its budget (a call end at the budget's last token: it ends there)
+                _end(row, fmt, bool(session.finished[n])) if not session.paused[n] else setattr(row, "done", True)
+            elif fmt.call_format == "markdown" and fmt.find(row.tokens[row.turn_start:]) is None:
+                session.release(n)  # a fence that opens a block: it draws on
+            else:
+                _submit_call(row, fmt, answers, settings)
+                if row.done:  # one call more than max_turns: it ends at its call
+                    session.end(n)
+        answered = answers.answered(rows)
+        for row in answered:
+            before = len(row.tokens)
+            if _take_output(row, fmt, settings):
+                session.append(index[id(row)], row.tokens[before:])
+            else:
+                session.end(index[id(row)])
+        if ran or answered:
+            continue
+        if not any(r.future is not None for r in rows):
+            if session.decoding():
+                raise RuntimeError("the pool stopped with rows left to decode and no tool call pending")
+            return waited
+        waited += answers.wait(rows)
+
+
 def _arrays(rows: list[_Row], C: int, waited_s: float, total_s: float, calls: int) -> dict[str, Any]:
     N = len(rows)
     ro = {"tokens": np.zeros((N, C), np.int32), "sampler_logp": np.zeros((N, C), np.float32),
@@ -308,7 +358,7 @@ def _arrays(rows: list[_Row], C: int, waited_s: float, total_s: float, calls: in
         "tools/errors": float(count("errors").sum()), "tools/timeouts": float(count("timeouts").sum()),
         "tools/truncations": float(count("clipped").sum()), "tools/rows_without_calls": float(
             (count("calls") == 0).mean()), "tools/wait_s": waited_s, "tools/rollout_s": total_s,
-        "tools/sampler_calls": float(calls)}
+        "tools/sampler_calls": float(calls)}  # sampler programs run (in the pool: its calls of steps_per_call steps)
     ro["messages"] = [r.messages for r in rows]
     ro["row_tools"] = [{"calls": r.calls, "errors": r.errors, "timeouts": r.timeouts, "truncations": r.clipped}
                        for r in rows]
@@ -338,6 +388,7 @@ def bind_sampler(cfg, params, sampling: dict[str, Any], key, min_rows: int, slot
     the calls that carry rows back are padded to min_rows rows (one program for all of them)."""
     from sage_jax.models import sharding
     from sage_jax.sampling import sampler
+    from sage_jax.sampling.session import PoolSession
     base_eos = tuple(cfg.eos_token_ids)
 
     def generate_fn(prompts, num_samples, resume, stop_after_groups, limits, extra_eos):
@@ -346,6 +397,11 @@ def bind_sampler(cfg, params, sampling: dict[str, Any], key, min_rows: int, slot
                                row_max_new_tokens=limits, stop_after_groups=stop_after_groups, resume=resume,
                                min_rows=min_rows if resume else 0)
         return sharding.to_host(out)
+
+    def session(prompts, num_samples, pause_ids, steps_per_call):  # generate_with_tools' in-pool path
+        return PoolSession(cfg, params, prompts, **sampling, eos_ids=base_eos, seed=key, num_samples=num_samples,
+                           pad_id=cfg.pad_token_id, slots=slots, pause_ids=pause_ids, steps_per_call=steps_per_call)
+    generate_fn.session = session
     return generate_fn
 
 

@@ -75,7 +75,7 @@ def generation(cfg, prompts: int, prompt_len: int, lengths_N: np.ndarray, m: Mac
 def _sampler_costs(cfg, sequences: int, P: int, rows_J: np.ndarray, j_J: np.ndarray, m: Machine, devices: float,
                    tensor: int, carried: int = 0, carrying: int | None = None) -> tuple[float, np.ndarray]:
     """(prefill seconds of `sequences` sequences in the prompt bucket P, `carrying` of them (default all) plus
-    `carried` generation positions (decode_pool._prefill), seconds of each decode step computing rows_J rows at
+    `carried` generation positions (prefill.prefill_sequences), seconds of each decode step computing rows_J rows at
     generation position j_J) of one sampler call."""
     D, V, w = cfg.hidden_size, cfg.vocab_size, _bytes(cfg.compute_dtype)
     per_layer, per_slot, kv = bench_flops.layer_params(cfg), bench_flops.attention_per_key(cfg), _kv_bytes_per_slot(cfg)

@@ -17,10 +17,15 @@ Rows need not start at their prompt's beginning (rows.py): row n continues prefi
 generation position start_N[n], with its own key and id, so a row that left the pool (interrupted by
 stop_after_groups; later, a tool call) comes back with its tokens so far prefilled after its prompt, into the
 generation positions [P, P + start) they had (its sequence is prefilled P + plan.carried wide; a fresh prompt's
-only P: _prefill), and goes on drawing the tokens it would have drawn uninterrupted: its token j is written at P + j
-and fed at its uninterrupted RoPE position. With
-plan.stop_early the loop also ends once `stop_groups` groups have all their rows done (rows.complete_groups); the
-rows still running are returned with what they have.
+only P: prefill.prefill_sequences), and goes on drawing the tokens it would have drawn uninterrupted: its token j is
+written at P + j and fed at its uninterrupted RoPE position. With plan.stop_early the loop also ends once
+`stop_groups` groups have all their rows done (rows.complete_groups); the rows still running are returned with what
+they have.
+
+A session (session.py, plan.pausing) keeps the pool on the device between calls of a few steps each: a row that
+draws a pause id (a tool call's end) pauses in its slot with its cache; the host appends tokens to its row (a tool's
+output) and releases it, and the decode steps feed those tokens one per step (forced: not drawn, not recorded) before
+it draws again, at the positions and with the keys it would have had had the tokens been carried in.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from sage_jax.models import decoder as model_lib
 from sage_jax.models import sharding as sharding_lib
 from sage_jax.models.decoder import ModelConfig, Params
 from sage_jax.sampling.filters import sample_tokens
+# re-exported: the pool's widths and queues are decode_pool's to callers and tests
+from sage_jax.sampling.prefill import gather_rows, prefill_sequences, queue_groups, stage_widths  # noqa: F401
 from sage_jax.sampling.rows import Rows, complete_groups, row_keys
 
 
@@ -61,6 +68,7 @@ class SamplerPlan:
     # they are prefilled over the carried positions, the others over the prompt bucket (0: every sequence over both)
     carrying: int = 0
     forms: DecodeForms | None = None  # the decode program's forms (decode_forms; None: the running backend's)
+    pausing: bool = False  # a session's program (session.py): rows pause on pause ids and are fed tokens appended
 
 
 def constrain_cache(cache):
@@ -75,6 +83,7 @@ class _Out(NamedTuple):
     logp_NxC: jax.Array
     lengths_N: jax.Array
     finished_N: jax.Array
+    paused_N: jax.Array  # drew a pause id (plan.pausing): keeps its slot, decodes again once the host releases it
 
 
 class _Pool(NamedTuple):
@@ -90,36 +99,6 @@ class _Pool(NamedTuple):
     # data-dependent loop iterations and branches (each a host round trip on XLA:GPU): decode-loop iterations,
     # refill predicates, prompt-copy iterations, shrink moves
     loops: jax.Array
-
-
-# Completions shorter than this take only halving widths: on CPU a width's decode loop body compiles in about the
-# time of 100-400 of its steps (about 4 s for the small preset, 2 s for the demo's model), so finer widths pay back
-# only over long completions (the CPU demo's 24 tokens: 4 min 26 s wall with 21 widths per sampler program).
-FINE_WIDTHS_MIN_TOKENS = 128
-
-
-def stage_widths(slots: int, dp: int, new_tokens: int | None = None) -> tuple[int, ...]:
-    """The pool's widths, largest first, counted in slots per data-parallel shard (dp = data x fsdp), down to 2 per
-    shard or S/32, whichever is more (with one slot per shard XLA:CPU held 2.3x the cache shard in temporaries,
-    against 1.15x, in test_one_kv_cache_in_memory). Four per halving of the slots (S = 64: 64, 56, 48, 40, 32, 28,
-    24, 20, 16, then 14, 12, 10, 8, 6, 4, 2, where steps of 2 are the finest); for completions of fewer than
-    FINE_WIDTHS_MIN_TOKENS new tokens, halves only (64, 32, 16, 8, 4, 2). Once the queue is empty and every shard's
-    live slots fit the next width, they move into its slots, and each step computes only those rows: on CPU a step
-    costs about the rows it computes, and the finer widths compute at most about 4/3 of the live rows (halves: up to
-    2x). Each width is one more decode loop body to compile; on the long-tail benchmark (64 rows, 512 tokens) the 16
-    widths ran 2.5-8.9% faster than session 10's 7 in three A/B runs (docs/PERFORMANCE.md, session 11)."""
-    if slots % dp:
-        return (slots,)
-    per_shard = slots // dp
-    floor = max(2, per_shard // 32)
-    fine = new_tokens is None or new_tokens >= FINE_WIDTHS_MIN_TOKENS
-    widths = [per_shard]
-    while True:
-        below = 1 << max(0, (widths[-1] - 1).bit_length() - 1)  # the largest power of two under the width
-        width = widths[-1] - max(2, below // 4) if fine else widths[-1] // 2
-        if width < floor:
-            return tuple(w * dp for w in widths)
-        widths.append(width)
 
 
 def _copy_prompts(cache: tuple, prompt_cache: tuple, slots_QxK: jax.Array, prompts_QxK: jax.Array,
@@ -150,13 +129,6 @@ def _copy_prompts(cache: tuple, prompt_cache: tuple, slots_QxK: jax.Array, promp
         return jax.tree.map(put, cache, prompt_cache)
     # a 16-bit cache is held as bits (model.BITS), so these copies move uint16, never a float32 copy on XLA:CPU
     return jax.lax.fori_loop(0, jnp.max(count_Q), one, cache)
-
-
-def queue_groups(rows: int, prompts: int, slots: int, dp: int) -> int:
-    """How many queues the pool keeps: one per data-parallel shard where rows, prompts and slots split evenly over
-    the shards (a shard's slots then take only its own rows, whose prompts it holds: rows.layout places them so),
-    else one."""
-    return dp if dp > 1 and not (rows % dp or prompts % dp or slots % dp) else 1
 
 
 def _queued(pool: _Pool, done_N: jax.Array) -> jax.Array:
@@ -235,26 +207,41 @@ class _Ctx(NamedTuple):
     groups: int  # data-parallel shards: the pool shrinks inside each
     stop_groups: jax.Array | None  # the loop ends once this many groups are complete (None: only when all are)
     forms: DecodeForms
+    pause_E: jax.Array | None = None  # plan.pausing: the ids a row pauses on (-1: none)
 
 
 def _done(ctx: _Ctx, out: _Out) -> jax.Array:
     return out.finished_N | (out.lengths_N >= ctx.limit_N) | ~ctx.valid_N
 
 
-def _active(ctx: _Ctx, pool: _Pool, out: _Out) -> jax.Array:
+def occupied(ctx: _Ctx, pool: _Pool, out: _Out) -> jax.Array:
+    """Slots holding a row that has not stopped (a paused row too: it keeps its slot and cache)."""
     N = ctx.limit_N.shape[0]
     return (pool.row_S < N) & ~_done(ctx, out)[jnp.minimum(pool.row_S, N - 1)]
 
 
-def _record(ctx: _Ctx, out: _Out, row_b, pos_b, active_b, tok_b, logp_b) -> _Out:
+def _active(ctx: _Ctx, pool: _Pool, out: _Out) -> jax.Array:
+    """Slots that decode at the next step: occupied and not paused."""
+    if ctx.pause_E is None:
+        return occupied(ctx, pool, out)
+    return occupied(ctx, pool, out) & ~out.paused_N[jnp.minimum(pool.row_S, ctx.limit_N.shape[0] - 1)]
+
+
+def _record(ctx: _Ctx, out: _Out, row_b, pos_b, active_b, tok_b, logp_b, forced_b=None) -> _Out:
+    """Each active slot's token at its position (forced_b: a token the host appended, already there: kept)."""
     N = ctx.limit_N.shape[0]
     tok_b = jnp.where(active_b, tok_b, ctx.pad_id)
-    hit_eos_b = active_b & jnp.any(tok_b[:, None] == ctx.eos_E[None, :], axis=-1)
-    at_b = jnp.where(active_b, row_b, N)  # idle slots write nowhere (N is out of range: dropped)
+    drawn_b = active_b if forced_b is None else active_b & ~forced_b
+    hit_eos_b = drawn_b & jnp.any(tok_b[:, None] == ctx.eos_E[None, :], axis=-1)
+    at_b = jnp.where(drawn_b, row_b, N)  # idle slots write nowhere (N is out of range: dropped)
+    paused_N = out.paused_N
+    if ctx.pause_E is not None:
+        hit_pause_b = drawn_b & ~hit_eos_b & jnp.any(tok_b[:, None] == ctx.pause_E[None, :], axis=-1)
+        paused_N = paused_N.at[at_b].set(hit_pause_b, mode="drop")
     return _Out(out.tokens_NxC.at[at_b, pos_b].set(tok_b, mode="drop"),
                 out.logp_NxC.at[at_b, pos_b].set(logp_b, mode="drop"),
                 out.lengths_N.at[at_b].add(1, mode="drop"),
-                out.finished_N.at[at_b].set(hit_eos_b, mode="drop"))
+                out.finished_N.at[at_b].set(hit_eos_b, mode="drop"), paused_N)
 
 
 def _step(ctx: _Ctx, pool: _Pool, out: _Out) -> tuple[_Pool, _Out]:
@@ -265,8 +252,9 @@ def _step(ctx: _Ctx, pool: _Pool, out: _Out) -> tuple[_Pool, _Out]:
     row_W = jnp.minimum(pool.row_S, N - 1)
     prompt_W, new_W = ctx.rows.source_N[row_W], pool.pos_S - ctx.rows.start_N[row_W]  # tokens since its prefill
     # An idle slot writes at position 0 and reads nothing else, so the attention bound (the furthest filled
-    # position over slots) only follows the live rows. A row's token j - 1 goes to P + j - 1 (carried ones too).
-    index_W = jnp.where(active_W, P + pool.pos_S - 1, 0)
+    # position over slots) only follows the live rows; a paused one writes where its next token goes (overwritten
+    # when it goes on). A row's token j - 1 goes to P + j - 1 (carried ones too).
+    index_W = jnp.where(active_W if ctx.pause_E is None else occupied(ctx, pool, out), P + pool.pos_S - 1, 0)
     kv_mask_WxT = jnp.concatenate([ctx.mask_BxP[prompt_W], jnp.ones((W, C), jnp.bool_)], axis=1) & active_W[:, None]
     positions_Wx1 = (ctx.prompt_len_B[prompt_W] + new_W - 1)[:, None]
     # The weights pass a barrier with the step count, so XLA cannot hoist their all-gathers (and XLA:CPU its
@@ -278,85 +266,121 @@ def _step(ctx: _Ctx, pool: _Pool, out: _Out) -> tuple[_Pool, _Out]:
                                                       cache_groups=ctx.groups, forms=ctx.forms)
         logits_WxV = model_lib.logits_from_hidden(ctx.cfg, params, h_Wx1xD)[:, 0]
     tok_W, logp_W = ctx.sample(logits_WxV, row_keys(ctx.rows.key_N[row_W], pool.pos_S, ctx.rows.id_N[row_W]))
-    out = _record(ctx, out, pool.row_S, pool.pos_S, active_W, tok_W, logp_W)
-    return pool._replace(pos_S=pool.pos_S + active_W, last_S=tok_W, cache=constrain_cache(cache),
+    forced_W = None
+    if ctx.pause_E is not None:  # tokens the host appended after a pause (a tool's output) are fed, not drawn
+        forced_W = active_W & (pool.pos_S < out.lengths_N[row_W])
+        tok_W = jnp.where(forced_W, out.tokens_NxC[row_W, pool.pos_S], tok_W)
+    out = _record(ctx, out, pool.row_S, pool.pos_S, active_W, tok_W, logp_W, forced_W)
+    return pool._replace(pos_S=pool.pos_S + active_W, last_S=jnp.where(active_W, tok_W, pool.last_S),
+                         cache=constrain_cache(cache),
                          steps=pool.steps + jnp.any(active_W)), out
 
 
+def run_width(ctx: _Ctx, pool: _Pool, out: _Out, prompt_cache: list, widths: tuple[int, ...], level: int,
+              stop_at: jax.Array | None = None) -> tuple[_Pool, _Out]:
+    """The decode loop at widths[level] (_decode). It ends when no slot is active (decodes at the next step),
+    once ctx.stop_groups groups are complete, once the queue is empty and every shard's occupied slots fit the next
+    width (shrink_due), and with stop_at (a session's call) once pool.steps reaches it. At the full width idle
+    slots refill from the queue. Each iteration runs ctx.forms.steps_per_loop steps (a slot freed inside one idles
+    until its end: a row's tokens do not depend on when it runs)."""
+    smaller = widths[level + 1] if level + 1 < len(widths) else 0
+
+    def cond(carry):
+        pool, out = carry
+        go = jnp.any(_active(ctx, pool, out))
+        if smaller:
+            go &= ~shrink_due(ctx, pool, out, smaller)
+        if ctx.stop_groups is not None:
+            go &= complete_groups(ctx.rows.group_N, _done(ctx, out), ctx.valid_N) < ctx.stop_groups
+        if stop_at is not None:
+            go &= pool.steps < stop_at
+        return go
+
+    def body(carry, refill=level == 0):
+        pool, out = carry
+        for _ in range(ctx.forms.steps_per_loop):  # XLA:GPU waits on the host once per iteration, not per step
+            pool, out = _step(ctx, pool, out)
+        pool = pool._replace(loops=pool.loops + 1 + refill)  # the loop's condition, and the refill's predicate
+        if not refill:
+            return pool, out
+        # most steps free no slot: they skip the refill's bookkeeping (ranks, searches, the copy loop)
+        done_N = _done(ctx, out)
+        idle = jnp.any(~occupied(ctx, pool, out)) & jnp.any(_queued(pool, done_N))
+        return jax.lax.cond(idle, lambda p: _refill(p, done_N, out, prompt_cache, ctx.rows), lambda p: p, pool), out
+    return jax.lax.while_loop(cond, body, (pool, out))
+
+
+def shrink_due(ctx: _Ctx, pool: _Pool, out: _Out, smaller: int) -> jax.Array:
+    """The queue is empty and every shard's occupied slots fit `smaller` slots: the pool moves to that width."""
+    fits = jnp.max(jnp.sum(occupied(ctx, pool, out).reshape(ctx.groups, -1), axis=1)) <= smaller // ctx.groups
+    return fits & ~jnp.any(_queued(pool, _done(ctx, out)))
+
+
+def shrink(ctx: _Ctx, pool: _Pool, out: _Out, width: int) -> _Pool:
+    return _shrink(pool, occupied(ctx, pool, out), width, ctx.groups)
+
+
 def _decode(ctx: _Ctx, pool: _Pool, out: _Out, prompt_cache: list, widths: tuple[int, ...]) -> tuple[_Pool, _Out]:
-    """The decode loop, one while_loop per width: at the full width idle slots refill from the queue; once the
-    queue is empty and every shard's live slots fit the next width, they move there (_shrink) and the loop goes on
-    computing only those. With ctx.stop_groups every loop also ends once that many groups are complete. Each
-    iteration runs ctx.forms.steps_per_loop steps (a slot freed inside one idles until its end: a row's tokens do
-    not depend on when it runs)."""
+    """The decode loop, one while_loop per width (run_width): at the full width idle slots refill from the queue;
+    once the queue is empty and every shard's live slots fit the next width, they move there (_shrink) and the loop
+    goes on computing only those."""
     for level, width in enumerate(widths):
         if level:
-            pool = _shrink(pool, _active(ctx, pool, out), width, ctx.groups)
-        smaller = widths[level + 1] if level + 1 < len(widths) else 0
-
-        def cond(carry, smaller=smaller):
-            pool, out = carry
-            live_W = _active(ctx, pool, out)
-            go = jnp.any(live_W)
-            if smaller:
-                queued = jnp.any(_queued(pool, _done(ctx, out)))
-                fits = jnp.max(jnp.sum(live_W.reshape(ctx.groups, -1), axis=1)) <= smaller // ctx.groups
-                go &= queued | ~fits
-            if ctx.stop_groups is not None:
-                go &= complete_groups(ctx.rows.group_N, _done(ctx, out), ctx.valid_N) < ctx.stop_groups
-            return go
-
-        def body(carry, refill=level == 0):
-            pool, out = carry
-            for _ in range(ctx.forms.steps_per_loop):  # XLA:GPU waits on the host once per iteration, not per step
-                pool, out = _step(ctx, pool, out)
-            pool = pool._replace(loops=pool.loops + 1 + refill)  # the loop's condition, and the refill's predicate
-            if not refill:
-                return pool, out
-            # most steps free no slot: they skip the refill's bookkeeping (ranks, searches, the copy loop)
-            done_N = _done(ctx, out)
-            idle = jnp.any(~_active(ctx, pool, out)) & jnp.any(_queued(pool, done_N))
-            return jax.lax.cond(idle, lambda p: _refill(p, done_N, out, prompt_cache, ctx.rows), lambda p: p, pool), out
-        pool, out = jax.lax.while_loop(cond, body, (pool, out))
+            pool = shrink(ctx, pool, out, width)
+        pool, out = run_width(ctx, pool, out, prompt_cache, widths, level)
     return pool, out
 
 
-def _gather_rows(x_B: jax.Array, source_N: jax.Array, Q: int) -> jax.Array:
-    """x_B[source_N], within each of Q groups (rows of group q take from block q of x_B): with Q = the data-parallel
-    shards the gather stays on each device."""
-    if Q == 1:
-        return x_B[source_N]
-    B, N = x_B.shape[0], source_N.shape[0]
-    local_Qxn = source_N.reshape(Q, N // Q) - (B // Q) * jnp.arange(Q, dtype=jnp.int32)[:, None]
-    return jax.vmap(lambda x, i: x[i])(x_B.reshape(Q, B // Q, *x_B.shape[1:]), local_Qxn).reshape(N, *x_B.shape[1:])
+def make_ctx(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt_mask_BxW: jax.Array, limit_N: jax.Array,
+             rows: Rows, stop_groups: jax.Array, temperature: jax.Array, top_p: jax.Array, min_p: jax.Array,
+             pad_id: jax.Array, eos_E: jax.Array, pause_E: jax.Array | None = None) -> _Ctx:
+    """What the decode steps read (params as given: generate_program unstacks them first where the plan says so)."""
+    mask_BxW = prompt_mask_BxW.astype(jnp.bool_)  # W = P + plan.carried
+    sample = functools.partial(sample_tokens, greedy=plan.greedy, temperature=temperature, top_k=plan.top_k,
+                               top_p=top_p if plan.use_top_p else None, min_p=min_p if plan.use_min_p else None)
+    dp = plan.mesh.shape["data"] * plan.mesh.shape["fsdp"] if plan.mesh is not None else 1
+    return _Ctx(cfg, params, sample, rows, mask_BxW[:, :mask_BxW.shape[1] - plan.carried],
+                jnp.sum(mask_BxW, axis=-1, dtype=jnp.int32), limit_N, limit_N > 0, pad_id, eos_E, plan.new_bucket, dp,
+                stop_groups if plan.stop_early else None, plan.forms or for_platform(jax.default_backend()),
+                pause_E if plan.pausing else None)
 
 
-def _prefill(cfg: ModelConfig, params: Params, tokens_BxW: jax.Array, mask_BxW: jax.Array, P: int, dp: int,
-             carrying: int, forms: DecodeForms) -> tuple[jax.Array, tuple]:
-    """(each sequence's hidden state at its last real position [B, 1, D], the caches [B, L, K, W, H], or one
-    [B, K, W, H] pair per layer as forms.stacked_cache says) of sequences in
-    the prompt bucket P, then W - P carried positions. With `carrying`, the first `carrying` sequences of each of the
-    dp blocks are prefilled over all W positions and the others over P (their carried positions are padding: a
-    fresh prompt's prefill costs its bucket, not the longest carried row's), their caches padded to W."""
-    B, W = tokens_BxW.shape
-    # the caches as bits where the platform's forms say so: never converted whole (kv_cache.BITS)
-    bits = kv_cache.BITS if jnp.dtype(cfg.compute_dtype).itemsize == 2 and forms.cache_bits else None
+def start(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt_BxP: jax.Array, prompt_mask_BxP: jax.Array,
+          tokens_NxC: jax.Array, logp_NxC: jax.Array, limit_N: jax.Array, rows: Rows, *scalars: jax.Array,
+          pause_E: jax.Array | None = None) -> tuple[_Ctx, _Pool, _Out, list, tuple[int, ...]]:
+    """Every sequence prefilled once, each row's next token drawn from its prefill logits, and the pool's slots
+    filled from the queue -> (ctx, pool, out, the prompt caches, the pool's widths). scalars: stop_groups,
+    temperature, top_p, min_p, pad_id, eos_E (generate_program's)."""
+    B, P = prompt_BxP.shape[0], prompt_BxP.shape[1] - plan.carried  # the prompt bucket; then carried tokens
+    N, C, S = limit_N.shape[0], plan.new_bucket, plan.slots
+    if plan.unstack_layers:
+        params = model_lib.unstack_layers(cfg, params)
+    ctx = make_ctx(cfg, plan, params, prompt_mask_BxP, limit_N, rows, *scalars, pause_E=pause_E)
+    h_Bx1xD, prompt_cache = prefill_sequences(cfg, params, prompt_BxP, prompt_mask_BxP.astype(jnp.bool_), P,
+                                              ctx.groups, plan.carrying, ctx.forms)
+    prompt_cache = constrain_cache(prompt_cache)
+    Q = queue_groups(N, B, S, ctx.groups)
+    logits_NxV = gather_rows(model_lib.logits_from_hidden(cfg, params, h_Bx1xD)[:, 0], rows.source_N, Q)
+    # Every row's next token (its first, or the one after those it carried in) comes from its sequence's prefill
+    # logits (the last position).
+    rows_N = jnp.arange(N, dtype=jnp.int32)
+    tok_N, logp_N = ctx.sample(logits_NxV, row_keys(rows.key_N, rows.start_N, rows.id_N))
+    empty_N = jnp.zeros((N,), jnp.bool_)
+    out = _record(ctx, _Out(tokens_NxC, logp_NxC, rows.start_N, empty_N, empty_N), rows_N, rows.start_N,
+                  ctx.valid_N, tok_N, logp_N)
+    cache = constrain_cache(kv_cache.init_cache(cfg, S, P + C, jax.tree.leaves(prompt_cache)[0].dtype,
+                                                stacked=ctx.forms.stacked_cache))
+    empty_S = jnp.full((S,), N, jnp.int32)
+    pool = _Pool(empty_S, jnp.ones((S,), jnp.int32), jnp.zeros((S,), jnp.int32), cache, jnp.zeros((Q,), jnp.int32),
+                 jnp.int32(1), jnp.int32(0))
+    pool = _refill(pool, _done(ctx, out), out, prompt_cache, rows)
+    widths = plan.stages if plan.stages is not None else stage_widths(S, ctx.groups, C) if ctx.forms.shrink else (S,)
+    return ctx, pool, out, prompt_cache, widths
 
-    def run(tokens, mask):  # the last real position: the prompt's (P - 1), or a sequence's last carried token's
-        h_BxTxD, cache = model_lib.prefill(cfg, params, tokens, mask, bits, forms.stacked_cache, forms)
-        last_B = P - 1 + jnp.sum(mask[:, P:], axis=-1, dtype=jnp.int32)
-        return jnp.take_along_axis(h_BxTxD, last_B[:, None, None], axis=1), cache
-    if W == P or not carrying or carrying * dp == B:
-        return run(tokens_BxW, mask_BxW)
-    w = B // dp
-    part = lambda a, lo, hi, cols: a.reshape(dp, w, W)[:, lo:hi, :cols].reshape(dp * (hi - lo), cols)
-    h_c, cache_c = run(part(tokens_BxW, 0, carrying, W), part(mask_BxW, 0, carrying, W))
-    h_f, cache_f = run(part(tokens_BxW, carrying, w, P), part(mask_BxW, carrying, w, P))
-    pad = lambda c: jnp.pad(c, [(0, 0)] * (c.ndim - 2) + [(0, W - P), (0, 0)])
-    merge = lambda a, b: jnp.concatenate([a.reshape(dp, carrying, *a.shape[1:]), b.reshape(dp, w - carrying,
-                                                                                        *b.shape[1:])],
-                                         axis=1).reshape(B, *a.shape[1:])
-    return merge(h_c, h_f), jax.tree.map(lambda c, f: merge(c, pad(f)), cache_c, cache_f)
+
+def done_rows(ctx: _Ctx, out: _Out) -> jax.Array:
+    """Rows that stopped: EOS, their budget (filler rows are not counted)."""
+    return _done(ctx, out) & ctx.valid_N
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "plan"), donate_argnames=("tokens_NxC", "logp_NxC"))
@@ -369,52 +393,10 @@ def generate_program(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt
     continues sequence rows.source_N[n] from its rows.start_N[n] tokens in tokens_NxC / logp_NxC; limit_N[n] = 0: a
     filler row). -> per row: tokens, log-probs, lengths, finished (EOS), done (EOS or limit), prompt tokens and mask;
     and the decode steps run, and the data-dependent loop iterations (_Pool.loops)."""
-    B, P = prompt_BxP.shape[0], prompt_BxP.shape[1] - plan.carried  # the prompt bucket; then carried tokens
-    N, C, S = limit_N.shape[0], plan.new_bucket, plan.slots
-    forms = plan.forms or for_platform(jax.default_backend())
-    if plan.unstack_layers:
-        params = model_lib.unstack_layers(cfg, params)
-    sample = functools.partial(sample_tokens, greedy=plan.greedy, temperature=temperature, top_k=plan.top_k,
-                               top_p=top_p if plan.use_top_p else None, min_p=min_p if plan.use_min_p else None)
-
-    mask_BxW = prompt_mask_BxP.astype(jnp.bool_)  # W = P + plan.carried
-    dp = plan.mesh.shape["data"] * plan.mesh.shape["fsdp"] if plan.mesh is not None else 1
-    h_Bx1xD, prompt_cache = _prefill(cfg, params, prompt_BxP, mask_BxW, P, dp, plan.carrying, forms)
-    prompt_cache = constrain_cache(prompt_cache)
-    Q = queue_groups(N, B, S, dp)
-    logits_NxV = _gather_rows(model_lib.logits_from_hidden(cfg, params, h_Bx1xD)[:, 0], rows.source_N, Q)
-    ctx = _Ctx(cfg, params, sample, rows, mask_BxW[:, :P], jnp.sum(mask_BxW, axis=-1, dtype=jnp.int32), limit_N,
-               limit_N > 0, pad_id, eos_E, C, dp, stop_groups if plan.stop_early else None, forms)
-
-    # Every row's next token (its first, or the one after those it carried in) comes from its sequence's prefill
-    # logits (the last position).
-    rows_N = jnp.arange(N, dtype=jnp.int32)
-    tok_N, logp_N = sample(logits_NxV, row_keys(rows.key_N, rows.start_N, rows.id_N))
-    out = _record(ctx, _Out(tokens_NxC, logp_NxC, rows.start_N, jnp.zeros((N,), jnp.bool_)), rows_N, rows.start_N,
-                  ctx.valid_N, tok_N, logp_N)
-    cache = constrain_cache(kv_cache.init_cache(cfg, S, P + C, jax.tree.leaves(prompt_cache)[0].dtype,
-                                                stacked=forms.stacked_cache))
-    empty_S = jnp.full((S,), N, jnp.int32)
-    pool = _Pool(empty_S, jnp.ones((S,), jnp.int32), jnp.zeros((S,), jnp.int32), cache, jnp.zeros((Q,), jnp.int32),
-                 jnp.int32(1), jnp.int32(0))
-    pool = _refill(pool, _done(ctx, out), out, prompt_cache, rows)
-    widths = plan.stages if plan.stages is not None else stage_widths(S, dp, C) if forms.shrink else (S,)
+    ctx, pool, out, prompt_cache, widths = start(cfg, plan, params, prompt_BxP, prompt_mask_BxP, tokens_NxC, logp_NxC,
+                                                 limit_N, rows, stop_groups, temperature, top_p, min_p, pad_id, eos_E)
     pool, out = _decode(ctx, pool, out, prompt_cache, widths)
-    return (out.tokens_NxC, out.logp_NxC, out.lengths_N, out.finished_N, _done(ctx, out) & ctx.valid_N,
-            _gather_rows(prompt_BxP[:, :P], rows.source_N, Q), _gather_rows(mask_BxW[:, :P], rows.source_N, Q),
+    P, Q = ctx.mask_BxP.shape[1], pool.next_row.shape[0]
+    return (out.tokens_NxC, out.logp_NxC, out.lengths_N, out.finished_N, done_rows(ctx, out),
+            gather_rows(prompt_BxP[:, :P], rows.source_N, Q), gather_rows(ctx.mask_BxP, rows.source_N, Q),
             pool.steps, pool.loops)
-
-
-def auto_slots(cfg: ModelConfig, rows: int, prompts: int, cache_len: int, prompt_len: int, mesh: Mesh | None,
-               headroom: float = 0.8) -> int:
-    """The most slots (a multiple of data x fsdp, at most `rows`) whose KV cache fits `headroom` of the first local
-    device's free memory once the prompt caches are counted; all rows where the backend reports no limit (CPU)."""
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "bytes_limit" not in stats:
-        return rows
-    dp = mesh.shape["data"] * mesh.shape["fsdp"] if mesh is not None else 1
-    tp = mesh.shape["tensor"] if mesh is not None and cfg.num_kv_heads % mesh.shape["tensor"] == 0 else 1
-    per_position = 2 * cfg.num_layers * (cfg.num_kv_heads // tp) * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize
-    free = headroom * (stats["bytes_limit"] - stats.get("bytes_in_use", 0)) - per_position * prompt_len * prompts / dp
-    per_device = int(free // (per_position * cache_len))
-    return max(dp, min(rows, per_device * dp) // dp * dp)

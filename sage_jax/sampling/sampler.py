@@ -36,7 +36,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from sage_jax.models import decode_forms, decoder as model_lib
 from sage_jax.models import sharding as sharding_lib
 # re-exported: sampler.generate_program / SamplerPlan / constrain_cache are what sage_jax.plan lowers
-from sage_jax.sampling.decode_pool import SamplerPlan, auto_slots, constrain_cache, generate_program, stage_widths
+from sage_jax.sampling.decode_pool import SamplerPlan, constrain_cache, generate_program, stage_widths
+from sage_jax.sampling.prefill import auto_slots
 from sage_jax.sampling import rows as rows_lib
 from sage_jax.sampling.rows import Resumed, interrupted, row_keys  # noqa: F401  (public: generate's resume)
 from sage_jax.models.decoder import ModelConfig, Params
@@ -174,7 +175,7 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     row_max_new_tokens (one per output row, prompt-major, each <= max_new_tokens) stops each row at its own budget,
     marked truncated. slots (default: one per row) is how many rows decode at once,
     rounded up to a multiple of the data-parallel size; the others wait for a slot. The outputs do not depend on it.
-    slots="auto": as many as fit the device's free memory (decode_pool.auto_slots); "all": one per row.
+    slots="auto": as many as fit the device's free memory (prefill.auto_slots); "all": one per row.
 
     resume: rows that come back with the tokens they have (rows.Resumed: prompt, tokens and behaviour log-probs so
     far, the key and row id of the call that started them, their budget and group). They decode in the same pool as
@@ -187,6 +188,37 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     this many rows (filler rows, done from the start), so calls whose mix of fresh and carried rows differs share
     one program (the partial-rollout trainer passes its pool's size).
     """
+    call = prepare_call(cfg, params, prompts, max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                        min_p=min_p, eos_ids=eos_ids, seed=seed, num_samples=num_samples, pad_id=pad_id, mesh=mesh,
+                        unstack_layers=unstack_layers, row_max_new_tokens=row_max_new_tokens, slots=slots,
+                        stop_after_groups=stop_after_groups, resume=resume, min_rows=min_rows,
+                        decode_attention=decode_attention)
+    _PROGRAMS.add(call.program_key)
+    with jax.set_mesh(call.mesh) if call.mesh is not None else contextlib.nullcontext():
+        tokens, logp, lengths, finished, done, prompt_tokens, prompt_mask, steps, loops = generate_program(
+            cfg, call.plan, call.params, *call.inputs)
+    pick = _returned_rows(call.rows, bool(resume))
+    return SampleOutput(tokens=pick(tokens)[:, :max_new_tokens], lengths=pick(lengths), finished=pick(finished),
+                        logprobs=pick(logp)[:, :max_new_tokens], prompt_tokens=pick(prompt_tokens),
+                        prompt_mask=pick(prompt_mask), steps=steps, done=pick(done), loops=loops)
+
+
+class Call(NamedTuple):
+    """One generate call made ready for the program: generate_program(cfg, plan, params, *inputs)."""
+    plan: SamplerPlan
+    params: Params  # sharded on the mesh, in the compute dtype
+    inputs: tuple  # prompt tokens and mask (left-padded, then carried tokens), per-row arrays, scalars, eos ids
+    rows: rows_lib.Layout
+    mesh: Mesh | None
+    sequences_host: tuple  # [B, P + carried] the prefilled sequences and their mask, on the host
+    program_key: tuple  # what compiles a new program (compile_count)
+
+
+def prepare_call(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 temperature, top_p, top_k, min_p, eos_ids, seed, num_samples, pad_id, mesh, unstack_layers,
+                 row_max_new_tokens, slots, stop_after_groups, resume, min_rows, decode_attention) -> Call:
+    """generate's arguments checked and laid out (rows.layout), its plan, and its inputs on the mesh (session.py
+    starts a pool from the same)."""
     prompts = [[int(t) for t in p] for p in prompts]
     pad_id = cfg.pad_token_id if pad_id is None else int(pad_id)
     eos_ids = tuple(cfg.eos_token_ids if eos_ids is None else (int(e) for e in eos_ids))
@@ -215,7 +247,7 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
                        forms=forms,
                        unstack_layers=forms.unstack_layers if unstack_layers is None else bool(unstack_layers))
     per_row = (rows.tokens_NxC, rows.logp_NxC, rows.limit_N, rows.rows)  # host arrays, the keys as their raw data
-    sequences = _left_pad(rows.sequences, P, pad_id, rows.carried, Cc)
+    sequences = host = _left_pad(rows.sequences, P, pad_id, rows.carried, Cc)
     if mesh is not None:  # every process passes the same host arrays: device_put takes them onto a mesh of several
         put = lambda x: jax.device_put(x, sharding_lib.data_sharding(mesh, x.ndim) if x.shape[0] % dp == 0
                                        else NamedSharding(mesh, PartitionSpec()))
@@ -224,17 +256,17 @@ def generate(cfg: ModelConfig, params: Params, prompts: Sequence[Sequence[int]],
     per_row = (*per_row[:3], row_info)
     scalars = (np.int32(stop_after_groups or 0), np.float32(temperature or 1.0), np.float32(top_p),
                np.float32(min_p), np.int32(pad_id))
-    eos_E = np.full(max(4, 1 << max(len(eos_ids) - 1, 0).bit_length()), -1, np.int32)  # -1 never matches
-    eos_E[:len(eos_ids)] = eos_ids
-    _PROGRAMS.add((cfg, plan, B, N, P, len(eos_E), jax.tree.structure(params),
-                   tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree.leaves(params))))
-    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-        tokens, logp, lengths, finished, done, prompt_tokens, prompt_mask, steps, loops = generate_program(
-            cfg, plan, params, *sequences, *per_row, *scalars, eos_E)
-    pick = _returned_rows(rows, bool(resume))
-    return SampleOutput(tokens=pick(tokens)[:, :max_new_tokens], lengths=pick(lengths), finished=pick(finished),
-                        logprobs=pick(logp)[:, :max_new_tokens], prompt_tokens=pick(prompt_tokens),
-                        prompt_mask=pick(prompt_mask), steps=steps, done=pick(done), loops=loops)
+    eos_E = id_array(eos_ids)
+    program_key = (cfg, plan, B, N, P, len(eos_E), jax.tree.structure(params),
+                   tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in jax.tree.leaves(params)))
+    return Call(plan, params, (*sequences, *per_row, *scalars, eos_E), rows, mesh, host, program_key)
+
+
+def id_array(ids: Sequence[int]) -> np.ndarray:
+    """Stop (or pause) ids padded with -1 (never matches) to a power of two >= 4: few distinct programs."""
+    out = np.full(max(4, 1 << max(len(ids) - 1, 0).bit_length()), -1, np.int32)
+    out[:len(ids)] = ids
+    return out
 
 
 def _returned_rows(rows, resumed: bool):

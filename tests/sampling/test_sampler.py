@@ -323,12 +323,12 @@ def test_stage_widths():
 def test_shrink_stages_equal_one_static_batch(params, monkeypatch):
     """The pool shrinks to 14, 12, ... 2 slots (16 rows, one device) and to 8 (4-way data parallel, 8 devices) once
     its queue is empty; the tokens equal a static batch that never shrinks, on one device and sharded."""
-    from sage_jax.sampling import decode_pool
+    from sage_jax.sampling import decode_pool, prefill
     real = decode_pool.stage_widths
     monkeypatch.setattr(decode_pool, "stage_widths", lambda s, dp, c: (s,))
     flat, _, limits = _longtail_case(params, slots=(), temperature=0.0, eos_ids=())
     monkeypatch.setattr(decode_pool, "stage_widths", real)
-    monkeypatch.setattr(decode_pool, "FINE_WIDTHS_MIN_TOKENS", 0)  # the fine widths, at this test's short lengths
+    monkeypatch.setattr(prefill, "FINE_WIDTHS_MIN_TOKENS", 0)  # the fine widths, at this test's short lengths
     assert real(16, 1, 8) == (16, 14, 12, 10, 8, 6, 4, 2)
     staged, pooled, _ = _longtail_case(params, slots=(3, 8), temperature=0.0, eos_ids=())
     for got in (staged, *pooled.values()):

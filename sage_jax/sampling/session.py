@@ -1,0 +1,232 @@
+"""A decode pool kept on the device across calls, so that a row can pause mid-completion (at a tool call's end) in its
+slot, with its cache, while the other rows go on decoding, and go on itself once the host appends tokens to it (the
+tool's output): nothing is prefilled again and no new pool is started. eval/tool_loop.py runs tool calls this way.
+
+    s = PoolSession(cfg, params, prompts, max_new_tokens, pause_ids=(call_end,), num_samples=G, seed=key)
+    while s.advance():                 # up to steps_per_call decode steps; False: no row is left that can decode
+        for n in s.newly_stopped():    # rows that paused (drew a pause id) or stopped since the last look
+            s.append(n, ids)           # paused: tokens appended to its row (observed), fed one per step, never drawn
+            s.release(n)               # or: it goes on with nothing appended; s.end(n): it stops here (truncated)
+    out = s.result()                   # sampler.SampleOutput of the fresh rows, as sampler.generate returns them
+
+The rows are sampler.generate's for the same arguments (prompt-major, sample g of prompt b is row b * G + g) and a
+row draws its token j with generate's key for j, at the position it would have had: a row that never pauses draws
+the tokens generate draws for it, and a row with tokens appended draws what generate would draw had those tokens
+been carried in (sampler's resume), up to the float rounding of a cache computed one step at a time instead of in one
+prefill. Appended tokens count against the row's budget and carry NaN log-probs. A call of the program runs
+steps_per_call decode steps at most (decode_pool.run_width with stop_at), and returns early when every row left is
+paused; the pool shrinks through the same widths as generate's, between calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import warnings
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sage_jax.models import decoder as model_lib
+from sage_jax.models import sharding as sharding_lib
+from sage_jax.sampling import decode_pool, sampler
+from sage_jax.sampling.prefill import stage_widths
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "plan"))
+def _start(cfg, plan, params, inputs, pause_E):
+    _, pool, out, prompt_cache, _ = decode_pool.start(cfg, plan, params, *inputs, pause_E=pause_E)
+    return pool, out, prompt_cache
+
+
+def _ctx(cfg, plan, params, inputs, limit_N, pause_E):
+    """inputs: (the prompt mask, the rows, stop_groups, temperature, top_p, min_p, pad_id, eos ids)."""
+    mask_BxW, rows, *scalars = inputs
+    return decode_pool.make_ctx(cfg, plan, params, mask_BxW, limit_N, rows, *scalars, pause_E=pause_E)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "plan", "level"), donate_argnames=("state",))
+def _advance(cfg, plan, level, params, inputs, limit_N, pause_E, state, stop_at):
+    """Decode steps at width plan.stages[level] until stop_at steps, no row can decode, or the pool may shrink ->
+    (state, [lengths N, paused N, finished N, whether the pool may shrink, steps run]: one array)."""
+    ctx = _ctx(cfg, plan, params, inputs, limit_N, pause_E)
+    pool, out, prompt_cache = state
+    pool, out = decode_pool.run_width(ctx, pool, out, prompt_cache, plan.stages, level, stop_at)
+    smaller = plan.stages[level + 1] if level + 1 < len(plan.stages) else 0
+    due = decode_pool.shrink_due(ctx, pool, out, smaller) if smaller else jnp.bool_(False)
+    return (pool, out, prompt_cache), _status(out, due, pool.steps)
+
+
+def _status(out, due, steps) -> jax.Array:
+    """What the host reads after a call, in one array (one transfer)."""
+    as_int = lambda x: jnp.asarray(x, jnp.int32).reshape(-1)
+    return jnp.concatenate([as_int(out.lengths_N), as_int(out.paused_N), as_int(out.finished_N), as_int(due),
+                            as_int(steps)])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "plan", "width"), donate_argnames=("state",))
+def _shrink(cfg, plan, width, params, inputs, limit_N, pause_E, state):
+    pool, out, prompt_cache = state
+    return decode_pool.shrink(_ctx(cfg, plan, params, inputs, limit_N, pause_E), pool, out, width), out, prompt_cache
+
+
+@functools.partial(jax.jit, donate_argnames=("out",))
+def _edit(out, ids_NxF, count_N, release_N):
+    """Rows' appended tokens written after their tokens so far (NaN log-probs), and released rows unpaused (the
+    rows' arrays only: one program whatever the pool's width)."""
+    N, C = out.tokens_NxC.shape
+    at_NxF = out.lengths_N[:, None] + jnp.arange(ids_NxF.shape[1], dtype=jnp.int32)[None, :]
+    at_NxF = jnp.where(jnp.arange(ids_NxF.shape[1])[None, :] < count_N[:, None], at_NxF, C)  # past C: dropped
+    rows_NxF = jnp.broadcast_to(jnp.arange(N, dtype=jnp.int32)[:, None], at_NxF.shape)
+    out = out._replace(tokens_NxC=out.tokens_NxC.at[rows_NxF, at_NxF].set(ids_NxF, mode="drop"),
+                       logp_NxC=out.logp_NxC.at[rows_NxF, at_NxF].set(jnp.nan, mode="drop"),
+                       lengths_N=out.lengths_N + count_N, paused_N=out.paused_N & ~release_N)
+    return out
+
+
+class PoolSession:
+    """One pool of rows decoded across calls, with pauses (module docstring). The keyword arguments are
+    sampler.generate's (no resume, stop_after_groups or min_rows: a session's rows are all fresh and run to their
+    end); pause_ids are the tokens a row pauses on; steps_per_call bounds each advance()."""
+
+    def __init__(self, cfg, params, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 pause_ids: Sequence[int], steps_per_call: int = 16, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = 0, min_p: float = 0.0, eos_ids: Sequence[int] | None = None, seed=0,
+                 num_samples: int = 1, pad_id: int | None = None, mesh=None, unstack_layers: bool | None = None,
+                 row_max_new_tokens: Sequence[int] | None = None, slots=None, decode_attention="auto"):
+        if steps_per_call < 1:
+            raise ValueError(f"steps_per_call={steps_per_call} must be >= 1")
+        call = sampler.prepare_call(cfg, params, prompts, max_new_tokens, temperature=temperature, top_p=top_p,
+                                    top_k=top_k, min_p=min_p, eos_ids=eos_ids, seed=seed, num_samples=num_samples,
+                                    pad_id=pad_id, mesh=mesh, unstack_layers=unstack_layers,
+                                    row_max_new_tokens=row_max_new_tokens, slots=slots, stop_after_groups=None,
+                                    resume=(), min_rows=0, decode_attention=decode_attention)
+        plan, self.params = call.plan, call.params
+        dp = plan.mesh.shape["data"] * plan.mesh.shape["fsdp"] if plan.mesh is not None else 1
+        widths = stage_widths(plan.slots, dp, plan.new_bucket) if plan.forms.shrink else (plan.slots,)
+        if plan.unstack_layers:  # once for the session, not once per call
+            self.params = jax.jit(model_lib.unstack_layers, static_argnums=0)(cfg, self.params)
+        self.cfg, self.plan = cfg, dataclasses.replace(plan, stages=widths, pausing=True, unstack_layers=False)
+        self.call, self.max_new_tokens, self.steps_per_call = call, max_new_tokens, steps_per_call
+        self.pause_E, self.limit_N = jnp.asarray(sampler.id_array(pause_ids)), np.array(call.rows.limit_N)
+        self.level, self.calls = 0, 0
+        self._note("start")
+        with self._mesh():
+            self.state = _start(cfg, self.plan, self.params, call.inputs, self.pause_E)
+            # what each call reads besides the state (on the device once): the prompt mask, the rows, the scalars
+            self.inputs = jax.device_put((call.inputs[1], call.inputs[5], *call.inputs[6:]))
+        out = self.state[1]
+        self.seen = np.zeros(len(self.limit_N), bool)  # rows whose stop (or pause) newly_stopped has reported
+        self._edits: dict[int, list[int]] = {}
+        self._released: set[int] = set()
+        self._read(_status(out, False, 1))
+
+    def _note(self, *program) -> None:
+        """Counted in sampler.compile_count, as generate's programs are (warm-ups read it)."""
+        sampler._PROGRAMS.add((self.call.program_key, self.plan, *program))
+
+    def _mesh(self):
+        return jax.set_mesh(self.call.mesh) if self.call.mesh is not None else contextlib.nullcontext()
+
+    def _read(self, status) -> None:
+        N, status = len(self.limit_N), sharding_lib.to_host(status)
+        self.lengths, self.paused, self.finished = status[:N], status[N:2 * N] > 0, status[2 * N:3 * N] > 0
+        self.due, self.steps = bool(status[-2]), int(status[-1])
+        self.done = (self.finished | (self.lengths >= self.limit_N)) & (self.limit_N > 0)  # decode_pool's _done
+        self._host = None  # tokens and log-probs, fetched when asked for
+
+    def _apply_edits(self) -> None:
+        if not self._edits and not self._released:
+            return
+        N = len(self.limit_N)
+        F = max(16, 1 << (max([len(v) for v in self._edits.values()] or [1]) - 1).bit_length())
+        ids, count, release = np.zeros((N, F), np.int32), np.zeros(N, np.int32), np.zeros(N, bool)
+        for n, v in self._edits.items():
+            ids[n, :len(v)], count[n] = v, len(v)
+        release[list(self._edits) + list(self._released)] = True
+        self._note("edit", F)
+        with self._mesh():
+            pool, out, prompt_cache = self.state
+            self.state = pool, _edit(out, ids, count, release), prompt_cache
+        self.lengths = self.lengths + count
+        self.paused = self.paused & ~release
+        self.seen[release] = False
+        self._edits, self._released, self._host = {}, set(), None
+
+    def decoding(self) -> int:
+        """Rows that may still draw tokens: not stopped and not paused (queued rows count)."""
+        self._apply_edits()
+        return int(np.sum(~self.done & ~self.paused & (self.limit_N > 0)))
+
+    def advance(self) -> int:
+        """Up to steps_per_call decode steps, fewer once no row can decode or the pool may shrink (it then shrinks)
+        -> the steps run, plus 1 if the pool shrank (0: no row can decode now: each is stopped, paused or queued
+        behind paused rows)."""
+        if not self.decoding():
+            return 0
+        limit, before = jnp.asarray(self.limit_N), self.steps
+        self._note("advance", self.level)
+        with self._mesh():
+            self.state, status = _advance(self.cfg, self.plan, self.level, self.params, self.inputs, limit,
+                                          self.pause_E, self.state, np.int32(self.steps + self.steps_per_call))
+            self.calls += 1
+            self._read(status)
+            shrinks = self.due and self.level + 1 < len(self.plan.stages)
+            if shrinks:
+                self.level += 1
+                self._note("shrink", self.level)
+                with warnings.catch_warnings():  # the slots' arrays change size: only the cache is reused in place
+                    warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+                    self.state = _shrink(self.cfg, self.plan, self.plan.stages[self.level], self.params,
+                                         self.inputs, limit, self.pause_E, self.state)
+        return self.steps - before + shrinks
+
+    def newly_stopped(self) -> list[int]:
+        """Rows that paused or stopped since the last call, each reported once (a released row again when it next
+        pauses or stops)."""
+        self._apply_edits()
+        new = np.flatnonzero((self.paused | self.done) & ~self.seen)
+        self.seen[new] = True
+        return [int(n) for n in new]
+
+    def row(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Row n's tokens and log-probs so far (host numpy)."""
+        if self._host is None:
+            out = self.state[1]
+            self._host = sharding_lib.to_host((out.tokens_NxC, out.logp_NxC))
+        L = int(self.lengths[n])
+        return self._host[0][n, :L], self._host[1][n, :L]
+
+    def append(self, n: int, ids: Sequence[int]) -> None:
+        """Tokens after paused row n's (observed: fed, never drawn, NaN log-probs); it goes on after them."""
+        if not self.paused[n] or self.done[n]:
+            raise ValueError(f"row {n} is not paused: only a paused row takes appended tokens")
+        if int(self.lengths[n]) + len(ids) + len(self._edits.get(n, [])) >= self.limit_N[n]:
+            raise ValueError(f"row {n}: {len(ids)} appended tokens after its {int(self.lengths[n])} would leave no "
+                             f"room in its budget of {int(self.limit_N[n])}")
+        self._edits.setdefault(n, []).extend(int(t) for t in ids)
+
+    def release(self, n: int) -> None:
+        """Paused row n goes on with nothing appended."""
+        self._released.add(int(n))
+
+    def end(self, n: int) -> None:
+        """Row n stops where it is (done, not finished: truncated)."""
+        self.limit_N[n] = max(1, int(self.lengths[n]))
+        self.done[n] = True
+        self._edits.pop(n, None)
+        self._released.discard(n)
+
+    def result(self) -> sampler.SampleOutput:
+        """Every fresh row as sampler.generate returns it (host numpy arrays)."""
+        self._apply_edits()
+        out, R, C = self.state[1], self.call.rows.real_rows, self.max_new_tokens
+        tokens, logp = sharding_lib.to_host((out.tokens_NxC, out.logp_NxC))
+        source = np.asarray(self.call.rows.rows.source_N)[:R]  # no carried tokens: the prompt bucket only
+        prompt_tokens, prompt_mask = (x[source] for x in self.call.sequences_host)
+        return sampler.SampleOutput(tokens=tokens[:R, :C], lengths=self.lengths[:R], finished=self.finished[:R],
+                                    logprobs=logp[:R, :C], prompt_tokens=prompt_tokens, prompt_mask=prompt_mask,
+                                    steps=np.int32(self.steps), done=self.done[:R], loops=np.int32(self.calls))
