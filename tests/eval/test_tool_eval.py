@@ -10,6 +10,7 @@ import pytest
 from sage_jax import evaluate
 from sage_jax.eval import offline as ev
 from sage_jax.eval import passk as evaluation
+from sage_jax.eval import tool_loop
 from sage_jax.sampling import sampler
 from sage_jax.tools.base import ToolOutput
 from tests.helpers_chat_templates import family_tokenizer
@@ -95,6 +96,13 @@ def _scripted_sampler(monkeypatch, hf):
         return sampler.SampleOutput(a["tokens"], a["lengths"], a["finished"], a["logprobs"], None, None, np.int32(0),
                                     np.ones(len(rows), bool))
     monkeypatch.setattr(sampler, "generate", generate)
+    real_bind = tool_loop.bind_sampler
+
+    def bind(*args, **kwargs):  # scripted rows stand in for sampler.generate: the call path (a pool runs the model)
+        fn = real_bind(*args, **kwargs)
+        del fn.session
+        return fn
+    monkeypatch.setattr(tool_loop, "bind_sampler", bind)
     return carried_back
 
 

@@ -216,6 +216,13 @@ def test_rollout_with_tools_feeds_the_loss_batch_and_the_samples(monkeypatch):
     gen = _scripted(hf, call + "The answer is 42.", "<|im_end|>")
     monkeypatch.setattr(sampler, "generate", lambda cfg, params, prompts, **kw: gen(
         prompts, kw["num_samples"], kw["resume"], kw["stop_after_groups"], kw["row_max_new_tokens"], kw["eos_ids"]))
+    real_bind = tr.bind_sampler
+
+    def bind(*args, **kwargs):  # scripted rows stand in for sampler.generate: the call path (a pool runs the model)
+        fn = real_bind(*args, **kwargs)
+        del fn.session
+        return fn
+    monkeypatch.setattr(tr, "bind_sampler", bind)
     task = types.SimpleNamespace(tokenizer=Tokenizer(hf), gold=lambda ex: "42", prompt_text=lambda ex: ex,
                                  encode_prompt=lambda ex: hf.encode(ex, add_special_tokens=False))
     cfg = types.SimpleNamespace(eos_token_ids=(gen.eos,), pad_token_id=0)
