@@ -116,3 +116,16 @@ def test_end_stops_a_row_and_bad_appends_are_refused(params):
     assert not running
     with pytest.raises(ValueError, match="not paused"):
         s.append(0, [1])
+
+
+def test_a_session_on_a_mesh_equals_generate(params):
+    """On a (data 2, fsdp 2, tensor 2) mesh of simulated CPU devices, rows paused and released: generate's rows."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    from sage_jax.models import sharding
+    key, mesh = jax.random.key(5), sharding.make_mesh((2, 2, 2))
+    ref = jax.device_get(sampler.generate(CFG, params, PROMPTS, 40, seed=key, mesh=mesh, **KW))
+    s = PoolSession(CFG, params, PROMPTS, 40, pause_ids=(PAUSE,), steps_per_call=3, seed=key, mesh=mesh, **KW)
+    got = _run(s, lambda s, n: s.release(n))
+    np.testing.assert_array_equal(got.tokens, np.asarray(ref.tokens))
+    np.testing.assert_array_equal(got.logprobs, np.asarray(ref.logprobs))
