@@ -218,7 +218,8 @@ def sampler_plan(cfg, config, shapes: Shapes, mesh, forms=None) -> sampler.Sampl
                   use_min_p=not greedy and ro.min_p > 0, mesh=mesh, unstack_layers=forms.unstack_layers,
                   forms=forms,
                   slots=shapes.sampler_slots, stages=None,  # None: the pool's shrink stages, as generate runs it
-                  stop_early=False, carried=0, carrying=0)  # an on-policy call: no carried rows
+                  stop_early=False, carried=0, carrying=0,  # an on-policy call: no carried rows
+                  pausing=False)  # generate's one program (tool rows in a pool session run it per width)
     fields = {f.name for f in dataclasses.fields(sampler.SamplerPlan)}
     if fields - static.keys():
         raise RuntimeError(f"sampler.SamplerPlan has fields {sorted(fields - static.keys())} that sage_jax.plan does not "
