@@ -314,7 +314,7 @@ def _in_pool(session, rows: list[_Row], fmt: ToolFormat, answers: _Answers, sett
     """The rows decoded in one pool kept on the device (sampling/session.py): a row pauses in its slot, cache
     kept, at its call's end, the other rows decode on while the call runs, and it goes on in its slot with the output
     appended (fed one token per step), so nothing is prefilled again -> seconds waited with no row to decode."""
-    index, waited = {id(r): n for n, r in enumerate(rows)}, 0.0
+    waited = 0.0  # a row's index is its row_id (prompt-major, as the session's rows)
     while True:  # every steps_per_call decode steps: the rows that paused or stopped, and the calls answered
         ran = session.advance()
         for n in session.newly_stopped():
@@ -332,9 +332,9 @@ def _in_pool(session, rows: list[_Row], fmt: ToolFormat, answers: _Answers, sett
         for row in answered:
             before = len(row.tokens)
             if _take_output(row, fmt, settings):
-                session.append(index[id(row)], row.tokens[before:])
+                session.append(row.row_id, row.tokens[before:])
             else:
-                session.end(index[id(row)])
+                session.end(row.row_id)
         if ran or answered:
             continue
         if not any(r.future is not None for r in rows):

@@ -374,8 +374,15 @@ def start(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt_BxP: jax.A
     pool = _Pool(empty_S, jnp.ones((S,), jnp.int32), jnp.zeros((S,), jnp.int32), cache, jnp.zeros((Q,), jnp.int32),
                  jnp.int32(1), jnp.int32(0))
     pool = _refill(pool, _done(ctx, out), out, prompt_cache, rows)
-    widths = plan.stages if plan.stages is not None else stage_widths(S, ctx.groups, C) if ctx.forms.shrink else (S,)
-    return ctx, pool, out, prompt_cache, widths
+    return ctx, pool, out, prompt_cache, pool_widths(plan, ctx.groups)
+
+
+def pool_widths(plan: SamplerPlan, dp: int) -> tuple[int, ...]:
+    """The widths the pool shrinks through: plan.stages, else stage_widths where the platform's forms shrink."""
+    if plan.stages is not None:
+        return plan.stages
+    forms = plan.forms or for_platform(jax.default_backend())
+    return stage_widths(plan.slots, dp, plan.new_bucket) if forms.shrink else (plan.slots,)
 
 
 def done_rows(ctx: _Ctx, out: _Out) -> jax.Array:

@@ -33,7 +33,6 @@ import numpy as np
 from sage_jax.models import decoder as model_lib
 from sage_jax.models import sharding as sharding_lib
 from sage_jax.sampling import decode_pool, sampler
-from sage_jax.sampling.prefill import stage_widths
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "plan"))
@@ -106,7 +105,7 @@ class PoolSession:
                                     resume=(), min_rows=0, decode_attention=decode_attention)
         plan, self.params = call.plan, call.params
         dp = plan.mesh.shape["data"] * plan.mesh.shape["fsdp"] if plan.mesh is not None else 1
-        widths = stage_widths(plan.slots, dp, plan.new_bucket) if plan.forms.shrink else (plan.slots,)
+        widths = decode_pool.pool_widths(plan, dp)
         if plan.unstack_layers:  # once for the session, not once per call
             self.params = jax.jit(model_lib.unstack_layers, static_argnums=0)(cfg, self.params)
         self.cfg, self.plan = cfg, dataclasses.replace(plan, stages=widths, pausing=True, unstack_layers=False)

@@ -13,6 +13,7 @@ from sage_jax.eval import passk as evaluation
 from sage_jax.eval import tool_loop
 from sage_jax.sampling import sampler
 from sage_jax.tools.base import ToolOutput
+from tests.training.test_tool_rollouts import call_path_only
 from tests.helpers_chat_templates import family_tokenizer
 from tests.eval.test_offline import _error, _main  # evaluate's command line and its one-line errors
 from tests.helpers_hf import tiny_hf_model
@@ -96,13 +97,7 @@ def _scripted_sampler(monkeypatch, hf):
         return sampler.SampleOutput(a["tokens"], a["lengths"], a["finished"], a["logprobs"], None, None, np.int32(0),
                                     np.ones(len(rows), bool))
     monkeypatch.setattr(sampler, "generate", generate)
-    real_bind = tool_loop.bind_sampler
-
-    def bind(*args, **kwargs):  # scripted rows stand in for sampler.generate: the call path (a pool runs the model)
-        fn = real_bind(*args, **kwargs)
-        del fn.session
-        return fn
-    monkeypatch.setattr(tool_loop, "bind_sampler", bind)
+    call_path_only(monkeypatch, tool_loop)
     return carried_back
 
 

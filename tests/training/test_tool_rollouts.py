@@ -203,6 +203,18 @@ def test_markdown_rollout_runs_python_in_the_sandbox():
     assert np.isnan(ro["sampler_logp"][0, :L][mask == 0]).all()
 
 
+def call_path_only(monkeypatch, module) -> None:
+    """module.bind_sampler without its pool session: scripted rows stand in for sampler.generate, which only the
+    call path calls (a pool session runs the model itself)."""
+    real_bind = module.bind_sampler
+
+    def bind(*args, **kwargs):
+        fn = real_bind(*args, **kwargs)
+        del fn.session
+        return fn
+    monkeypatch.setattr(module, "bind_sampler", bind)
+
+
 def test_rollout_with_tools_feeds_the_loss_batch_and_the_samples(monkeypatch):
     """rollouts.rollout_phases with rollout.tools: the sampler (scripted here) bound in, the rows' sampled mask and
     NaN log-probs through build_batch, the reward text the model's own, each turn in samples.jsonl."""
@@ -216,13 +228,7 @@ def test_rollout_with_tools_feeds_the_loss_batch_and_the_samples(monkeypatch):
     gen = _scripted(hf, call + "The answer is 42.", "<|im_end|>")
     monkeypatch.setattr(sampler, "generate", lambda cfg, params, prompts, **kw: gen(
         prompts, kw["num_samples"], kw["resume"], kw["stop_after_groups"], kw["row_max_new_tokens"], kw["eos_ids"]))
-    real_bind = tr.bind_sampler
-
-    def bind(*args, **kwargs):  # scripted rows stand in for sampler.generate: the call path (a pool runs the model)
-        fn = real_bind(*args, **kwargs)
-        del fn.session
-        return fn
-    monkeypatch.setattr(tr, "bind_sampler", bind)
+    call_path_only(monkeypatch, tr)
     task = types.SimpleNamespace(tokenizer=Tokenizer(hf), gold=lambda ex: "42", prompt_text=lambda ex: ex,
                                  encode_prompt=lambda ex: hf.encode(ex, add_special_tokens=False))
     cfg = types.SimpleNamespace(eos_token_ids=(gen.eos,), pad_token_id=0)
