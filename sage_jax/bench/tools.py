@@ -3,8 +3,9 @@
     python -m sage_jax.bench tools --batch 64 --group 4 --new-tokens 128 --tool-ms 100
 
 One random-weight model, one set of prompts and one seed. The tool-free arm is one sampler.generate call. In the
-tool arm a row pauses at the first time it draws a marker token, chosen from the tool-free run as the token that
-about half of the rows draw, so about half the rows call once (rollout.max_turns 1); the call sleeps --tool-ms and
+tool arm a row pauses the first time it draws a marker token, chosen from the tool-free run as the tokens that about
+half of the rows draw (_markers), so about half the rows call (once: rollout.max_turns 1, a row that draws a second
+marker ends there, truncated, as a row past its turns does in training); the call sleeps --tool-ms and
 its output is 4 observed tokens; the row resumes through eval/tool_loop.py as in training: in the pool, which stays
 on the device and keeps decoding the other rows while the tool runs (arm "tools", sampling/session.py), and by
 returning from the sampler and coming back in a new call (arm "tools_calls", --return-share). Generation tokens/s
@@ -46,11 +47,11 @@ class _SleepTool:
 
 
 class _MarkerFormat:
-    """A call wherever a row draws the marker token; its output is OBSERVED."""
+    """A call wherever a row draws a marker token; its output is OBSERVED."""
     call_format = "hermes"
 
-    def __init__(self, marker: int):
-        self.end_ids = (marker,)
+    def __init__(self, markers: tuple[int, ...]):
+        self.end_ids = markers
 
     def find(self, turn_ids):
         return ToolCall("sleep", {})
@@ -62,12 +63,19 @@ class _MarkerFormat:
         return list(OBSERVED), False
 
 
-def _marker(tokens: np.ndarray, lengths: np.ndarray, eos: int) -> tuple[int, float]:
-    """The token drawn by the share of rows nearest one half (not the eos, nor an observed id)."""
+def _markers(tokens: np.ndarray, lengths: np.ndarray, eos: int) -> tuple[tuple[int, ...], float]:
+    """Marker tokens (not the eos, nor an observed id) such that the share of rows that draw at least one of them is
+    nearest one half: one token at a time, each the one that brings the share nearest, while it gets nearer (with a
+    small random model's flat distribution no single token is drawn by half the rows) -> (markers, share)."""
     rows = [set(t[:n].tolist()) for t, n in zip(tokens, lengths)]
-    share = {v: sum(v in r for r in rows) / len(rows) for v in set().union(*rows) - {eos, *OBSERVED}}
-    best = min(share, key=lambda v: abs(share[v] - 0.5))
-    return int(best), share[best]
+    ids = sorted(set().union(*rows) - {eos, *OBSERVED})
+    share = lambda ms: sum(bool(r & ms) for r in rows) / len(rows)
+    chosen: set[int] = set()
+    while True:
+        best = min(ids, key=lambda v: (abs(share(chosen | {v}) - 0.5), v))
+        if chosen and abs(share(chosen | {best}) - 0.5) >= abs(share(chosen) - 0.5):
+            return tuple(sorted(chosen)), share(chosen)
+        chosen.add(best)
 
 
 def main(argv: list[str]) -> list[dict]:
@@ -92,7 +100,7 @@ def main(argv: list[str]) -> list[dict]:
     plain = lambda: sampler.generate(cfg, params, prompts, C, temperature=1.0, eos_ids=(eos,), seed=key,
                                      num_samples=G)
     out = jax.device_get(plain())
-    marker, share = _marker(np.asarray(out.tokens), np.asarray(out.lengths), eos)
+    markers, share = _markers(np.asarray(out.tokens), np.asarray(out.lengths), eos)
 
     def generate_fn(prompts_, num_samples, resume, stop, limits, extra_eos):
         return jax.device_get(sampler.generate(cfg, params, prompts_, C, temperature=1.0, eos_ids=(eos, *extra_eos),
@@ -111,7 +119,7 @@ def main(argv: list[str]) -> list[dict]:
         def run(arm):
             if arm == "plain":
                 return int(np.asarray(jax.block_until_ready(plain()).lengths).sum()), None
-            ro = tool_rollouts.generate_with_tools(generate_fn, prompts, G, _MarkerFormat(marker), pool,
+            ro = tool_rollouts.generate_with_tools(generate_fn, prompts, G, _MarkerFormat(markers), pool,
                                                    settings[arm], C, key)
             return int(ro["sampled_mask"].sum()), ro["tool_stats"]
         for arm in settings:
@@ -131,7 +139,7 @@ def main(argv: list[str]) -> list[dict]:
             for arm in arms]
     for r in rows[1:]:
         st = stats[r["arm"]]
-        r.update(calls_per_row=st["tools/calls_per_row"], marker_share=share, sampler_calls=st["tools/sampler_calls"],
+        r.update(calls_per_row=st["tools/calls_per_row"], marker_share=share, markers=len(markers), sampler_calls=st["tools/sampler_calls"],
                  ratio=r["tokens_per_s"] / rows[0]["tokens_per_s"])
     rows[1]["steps_per_call"], rows[2]["return_share"] = args.steps_per_call, args.return_share
     for r in rows:

@@ -220,7 +220,7 @@ def occupied(ctx: _Ctx, pool: _Pool, out: _Out) -> jax.Array:
     return (pool.row_S < N) & ~_done(ctx, out)[jnp.minimum(pool.row_S, N - 1)]
 
 
-def _active(ctx: _Ctx, pool: _Pool, out: _Out) -> jax.Array:
+def active(ctx: _Ctx, pool: _Pool, out: _Out) -> jax.Array:
     """Slots that decode at the next step: occupied and not paused."""
     if ctx.pause_E is None:
         return occupied(ctx, pool, out)
@@ -248,7 +248,7 @@ def _step(ctx: _Ctx, pool: _Pool, out: _Out) -> tuple[_Pool, _Out]:
     """One token for each live slot of the pool (its W slots: the cache rows model.cache_rows names for W)."""
     N, P, C = ctx.limit_N.shape[0], ctx.mask_BxP.shape[1], ctx.new_bucket
     W = pool.row_S.shape[0]
-    active_W = _active(ctx, pool, out)
+    active_W = active(ctx, pool, out)
     row_W = jnp.minimum(pool.row_S, N - 1)
     prompt_W, new_W = ctx.rows.source_N[row_W], pool.pos_S - ctx.rows.start_N[row_W]  # tokens since its prefill
     # An idle slot writes at position 0 and reads nothing else, so the attention bound (the furthest filled
@@ -287,7 +287,7 @@ def run_width(ctx: _Ctx, pool: _Pool, out: _Out, prompt_cache: list, widths: tup
 
     def cond(carry):
         pool, out = carry
-        go = jnp.any(_active(ctx, pool, out))
+        go = jnp.any(active(ctx, pool, out))
         if smaller:
             go &= ~shrink_due(ctx, pool, out, smaller)
         if ctx.stop_groups is not None:
@@ -311,9 +311,14 @@ def run_width(ctx: _Ctx, pool: _Pool, out: _Out, prompt_cache: list, widths: tup
 
 
 def shrink_due(ctx: _Ctx, pool: _Pool, out: _Out, smaller: int) -> jax.Array:
-    """The queue is empty and every shard's occupied slots fit `smaller` slots: the pool moves to that width."""
-    fits = jnp.max(jnp.sum(occupied(ctx, pool, out).reshape(ctx.groups, -1), axis=1)) <= smaller // ctx.groups
-    return fits & ~jnp.any(_queued(pool, _done(ctx, out)))
+    """The queue is empty and every shard's decoding slots fit `smaller` slots: the pool moves to that width (a
+    session's paused rows move out of it: session.py)."""
+    fits = jnp.max(jnp.sum(active(ctx, pool, out).reshape(ctx.groups, -1), axis=1)) <= smaller // ctx.groups
+    return fits & queue_empty(ctx, pool, out)
+
+
+def queue_empty(ctx: _Ctx, pool: _Pool, out: _Out) -> jax.Array:
+    return ~jnp.any(_queued(pool, _done(ctx, out)))
 
 
 def shrink(ctx: _Ctx, pool: _Pool, out: _Out, width: int) -> _Pool:

@@ -15,7 +15,14 @@ the tokens generate draws for it, and a row with tokens appended draws what gene
 been carried in (sampler's resume), up to the float rounding of a cache computed one step at a time instead of in one
 prefill. Appended tokens count against the row's budget and carry NaN log-probs. A call of the program runs
 steps_per_call decode steps at most (decode_pool.run_width with stop_at), and returns early when every row left is
-paused; the pool shrinks through the same widths as generate's, between calls.
+paused or the decoding rows fit a narrower width.
+
+Widths: a call computes the first W slots of the pool (of each data-parallel group), W the narrowest of generate's
+widths (decode_pool.pool_widths) that holds every decoding row, the full width while rows wait in the queue. Before
+its steps, paused rows in those W slots move to idle slots past them, cache rows and all (_arrange, _swap: a row's
+cache and positions do not depend on its slot), so a row waiting on its tool costs no compute; a released row past W
+moves back in, and W widens again when the decoding rows need it. (The widths are XLA:CPU's, where a step costs its
+rows; TPU and GPU forms keep one width, where a paused row's cost is its cache read.)
 """
 
 from __future__ import annotations
@@ -23,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import warnings
 from typing import Sequence
 
 import jax
@@ -37,8 +43,8 @@ from sage_jax.sampling import decode_pool, sampler
 
 @functools.partial(jax.jit, static_argnames=("cfg", "plan"))
 def _start(cfg, plan, params, inputs, pause_E):
-    _, pool, out, prompt_cache, _ = decode_pool.start(cfg, plan, params, *inputs, pause_E=pause_E)
-    return pool, out, prompt_cache
+    ctx, pool, out, prompt_cache, _ = decode_pool.start(cfg, plan, params, *inputs, pause_E=pause_E)
+    return (pool, out, prompt_cache), _status(ctx, pool, out)
 
 
 def _ctx(cfg, plan, params, inputs, limit_N, pause_E):
@@ -47,29 +53,115 @@ def _ctx(cfg, plan, params, inputs, limit_N, pause_E):
     return decode_pool.make_ctx(cfg, plan, params, mask_BxW, limit_N, rows, *scalars, pause_E=pause_E)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "plan", "level"), donate_argnames=("state",))
-def _advance(cfg, plan, level, params, inputs, limit_N, pause_E, state, stop_at):
-    """Decode steps at width plan.stages[level] until stop_at steps, no row can decode, or the pool may shrink ->
-    (state, [lengths N, paused N, finished N, whether the pool may shrink, steps run]: one array)."""
+@functools.partial(jax.jit, static_argnames=("cfg", "plan", "level", "steps"), donate_argnames=("state",))
+def _advance(cfg, plan, level, steps, params, inputs, limit_N, pause_E, state):
+    """Up to `steps` decode steps computing the first plan.stages[level] slots (of each data-parallel group), fewer
+    once no row can decode or the decoding rows fit the next width -> (state, [lengths N, paused N, finished N, the
+    slot group of each row (-1: none), whether the queue is empty, steps run]: one array). Before the steps the
+    rows are arranged for that width (_arrange): the slots past it are not computed."""
     ctx = _ctx(cfg, plan, params, inputs, limit_N, pause_E)
     pool, out, prompt_cache = state
-    pool, out = decode_pool.run_width(ctx, pool, out, prompt_cache, plan.stages, level, stop_at)
-    smaller = plan.stages[level + 1] if level + 1 < len(plan.stages) else 0
-    due = decode_pool.shrink_due(ctx, pool, out, smaller) if smaller else jnp.bool_(False)
-    return (pool, out, prompt_cache), _status(out, due, pool.steps)
+    width, G = plan.stages[level], ctx.groups
+    if width < plan.slots:
+        pool = _arrange(ctx, pool, out, width)
+    front = pool._replace(**{f: _cut(getattr(pool, f), G, width) for f in _SLOT_FIELDS})
+    front, out = decode_pool.run_width(ctx, front, out, prompt_cache, plan.stages, level, front.steps + steps)
+    pool = front._replace(**{f: _put(getattr(pool, f), getattr(front, f), G) for f in _SLOT_FIELDS})
+    return (pool, out, prompt_cache), _status(ctx, pool, out)
 
 
-def _status(out, due, steps) -> jax.Array:
+def _status(ctx, pool, out) -> jax.Array:
     """What the host reads after a call, in one array (one transfer)."""
+    S, N = pool.row_S.shape[0], ctx.limit_N.shape[0]
+    group_N = jnp.full((N,), -1, jnp.int32).at[pool.row_S].set(jnp.arange(S, dtype=jnp.int32) // (S // ctx.groups),
+                                                                 mode="drop")
     as_int = lambda x: jnp.asarray(x, jnp.int32).reshape(-1)
-    return jnp.concatenate([as_int(out.lengths_N), as_int(out.paused_N), as_int(out.finished_N), as_int(due),
-                            as_int(steps)])
+    return jnp.concatenate([as_int(out.lengths_N), as_int(out.paused_N), as_int(out.finished_N), group_N,
+                            as_int(decode_pool.queue_empty(ctx, pool, out)), as_int(pool.steps)])
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "plan", "width"), donate_argnames=("state",))
-def _shrink(cfg, plan, width, params, inputs, limit_N, pause_E, state):
-    pool, out, prompt_cache = state
-    return decode_pool.shrink(_ctx(cfg, plan, params, inputs, limit_N, pause_E), pool, out, width), out, prompt_cache
+_SLOT_FIELDS = ("row_S", "pos_S", "last_S")
+
+
+def _cut(a_S, groups: int, width: int) -> jax.Array:
+    """The first width / groups entries of each of `groups` equal blocks (the slots a width computes)."""
+    return a_S if width == a_S.shape[0] else a_S.reshape(groups, -1)[:, :width // groups].reshape(width)
+
+
+def _put(full_S, part_W, groups: int) -> jax.Array:
+    if part_W.shape == full_S.shape:
+        return part_W
+    w = part_W.shape[0] // groups
+    return full_S.reshape(groups, -1).at[:, :w].set(part_W.reshape(groups, w)).reshape(full_S.shape)
+
+
+def _arrange(ctx, pool, out, width: int):
+    """The pool's rows arranged for a call that computes the first m = width / groups slots of each group: paused
+    rows among those move to idle slots past them (their cache rows with them: a paused row is not computed while
+    it waits), then decoding rows past them move into the front's other slots, idle ones first (the caller's width
+    holds every decoding row)."""
+    G = ctx.groups
+    m, w = pool.row_S.shape[0] // G, width // G
+    front = jnp.arange(m) < w
+    first = lambda mask: jnp.argsort(~mask, axis=1, stable=True).astype(jnp.int32)  # mask's slots first, in order
+    count = lambda mask: jnp.sum(mask, axis=1, dtype=jnp.int32)
+
+    def flags(pool):
+        return (decode_pool.occupied(ctx, pool, out).reshape(G, m), decode_pool.active(ctx, pool, out).reshape(G, m))
+    busy, active = flags(pool)
+    park, free = busy & ~active & front, ~busy & ~front
+    pool = _swap(pool, first(park), first(free), jnp.minimum(count(park), count(free)), G)
+    busy, active = flags(pool)
+    late = active & ~front
+    room = jnp.argsort(jnp.where(front & ~busy, 0, jnp.where(front & ~active, 1, 2)), axis=1, stable=True)
+    return _swap(pool, first(late), room.astype(jnp.int32), count(late), G)
+
+
+def _swap(pool, a_GxM, b_GxM, count_G, groups: int):
+    """In each group g, slot a[g, k] and slot b[g, k] exchange their rows (slot arrays and cache rows) for
+    k < count[g] (the a's and b's of a group all distinct)."""
+    m = pool.row_S.shape[0] // groups
+    ok_GxM = jnp.arange(m)[None, :] < count_G[:, None]
+    g_Gx1 = jnp.arange(groups)[:, None]
+
+    def slots(x_S):
+        x_Gxm = x_S.reshape(groups, m)
+        a, b = x_Gxm[g_Gx1, a_GxM], x_Gxm[g_Gx1, b_GxM]
+        x_Gxm = x_Gxm.at[g_Gx1, jnp.where(ok_GxM, b_GxM, m)].set(a, mode="drop")
+        return x_Gxm.at[g_Gx1, jnp.where(ok_GxM, a_GxM, m)].set(b, mode="drop").reshape(x_S.shape)
+
+    # Swap k's two rows are read in iteration k and written in iteration k + 1 (a row read and written in one
+    # iteration made XLA:CPU copy the whole cache to keep the read's source); past a group's count, slot 0 on itself.
+    a_GxM, b_GxM = (jnp.where(ok_GxM, x, 0) for x in (a_GxM, b_GxM))
+
+    def read(c, k):
+        one = lambda c1, i: jax.lax.dynamic_index_in_dim(c1, i, 0)
+        if groups == 1:
+            return one(c, a_GxM[0, k]), one(c, b_GxM[0, k])
+        c_G = c.reshape(groups, m, *c.shape[1:])
+        return jax.vmap(one)(c_G, a_GxM[:, k]), jax.vmap(one)(c_G, b_GxM[:, k])
+
+    def write(c, rows, k):  # swap k - 1's rows, each to the other's slot
+        put = lambda c1, row, i: jax.lax.dynamic_update_index_in_dim(c1, row, i, 0)
+        (ra, rb), k = rows, k - 1
+        if groups == 1:
+            return put(put(c, ra, b_GxM[0, k]), rb, a_GxM[0, k])
+        c_G = c.reshape(groups, m, *c.shape[1:])
+        c_G = jax.vmap(put)(jax.vmap(put)(c_G, ra, b_GxM[:, k]), rb, a_GxM[:, k])
+        return c_G.reshape(c.shape)
+
+    leaves, tree = jax.tree.flatten(pool.cache)
+
+    def body(k, carry):
+        leaves, rows = carry
+        leaves = [write(c, r, k) for c, r in zip(leaves, rows)]
+        return leaves, [read(c, k) for c in leaves]
+    n = jnp.max(count_G)  # with no swap, the one write puts slot 0's row back on itself
+    leaves, rows = jax.lax.fori_loop(1, n, body, (leaves, [read(c, 0) for c in leaves]))
+    leaves = [write(c, r, n) for c, r in zip(leaves, rows)]
+    cache = jax.tree.unflatten(tree, leaves)
+    return pool._replace(**{f: slots(getattr(pool, f)) for f in _SLOT_FIELDS},
+                         cache=decode_pool.constrain_cache(cache), loops=pool.loops + jnp.max(count_G))
 
 
 @functools.partial(jax.jit, donate_argnames=("out",))
@@ -111,17 +203,17 @@ class PoolSession:
         self.cfg, self.plan = cfg, dataclasses.replace(plan, stages=widths, pausing=True, unstack_layers=False)
         self.call, self.max_new_tokens, self.steps_per_call = call, max_new_tokens, steps_per_call
         self.pause_E, self.limit_N = jnp.asarray(sampler.id_array(pause_ids)), np.array(call.rows.limit_N)
-        self.level, self.calls = 0, 0
+        self.level, self.calls, self.groups = 0, 0, dp
         self._note("start")
         with self._mesh():
-            self.state = _start(cfg, self.plan, self.params, call.inputs, self.pause_E)
+            self.state, status = _start(cfg, self.plan, self.params, call.inputs, self.pause_E)
             # what each call reads besides the state (on the device once): the prompt mask, the rows, the scalars
             self.inputs = jax.device_put((call.inputs[1], call.inputs[5], *call.inputs[6:]))
-        out = self.state[1]
+        self._limit = jnp.asarray(self.limit_N)
         self.seen = np.zeros(len(self.limit_N), bool)  # rows whose stop (or pause) newly_stopped has reported
         self._edits: dict[int, list[int]] = {}
         self._released: set[int] = set()
-        self._read(_status(out, False, 1))
+        self._read(status)
 
     def _note(self, *program) -> None:
         """Counted in sampler.compile_count, as generate's programs are (warm-ups read it)."""
@@ -133,7 +225,7 @@ class PoolSession:
     def _read(self, status) -> None:
         N, status = len(self.limit_N), sharding_lib.to_host(status)
         self.lengths, self.paused, self.finished = status[:N], status[N:2 * N] > 0, status[2 * N:3 * N] > 0
-        self.due, self.steps = bool(status[-2]), int(status[-1])
+        self.group, self.queue_empty, self.steps = status[3 * N:4 * N], bool(status[-2]), int(status[-1])
         self.done = (self.finished | (self.lengths >= self.limit_N)) & (self.limit_N > 0)  # decode_pool's _done
         self._host = None  # tokens and log-probs, fetched when asked for
 
@@ -160,28 +252,30 @@ class PoolSession:
         self._apply_edits()
         return int(np.sum(~self.done & ~self.paused & (self.limit_N > 0)))
 
+    def _width_level(self) -> int:
+        """The narrowest of the pool's widths that computes every decoding row of each group (the widest while rows
+        wait in the queue: only it refills)."""
+        if not self.queue_empty:
+            return 0
+        decoding = ~self.done & ~self.paused & (self.limit_N > 0) & (self.group >= 0)
+        need = np.bincount(self.group[decoding], minlength=self.groups).max(initial=0)
+        return max(level for level, width in enumerate(self.plan.stages) if width // self.groups >= need or not level)
+
     def advance(self) -> int:
-        """Up to steps_per_call decode steps, fewer once no row can decode or the pool may shrink (it then shrinks)
-        -> the steps run, plus 1 if the pool shrank (0: no row can decode now: each is stopped, paused or queued
-        behind paused rows)."""
+        """Up to steps_per_call decode steps, fewer once no row can decode or the decoding rows fit a narrower width
+        (the next call computes only that: paused rows move past it) -> the steps run, plus 1 if the width changed
+        (0: no row can decode now: each is stopped, paused or queued behind paused rows)."""
         if not self.decoding():
             return 0
-        limit, before = jnp.asarray(self.limit_N), self.steps
-        self._note("advance", self.level)
+        before, level = self.steps, self.level
+        self.level = self._width_level()
+        self._note("advance", self.level, self.steps_per_call)
         with self._mesh():
-            self.state, status = _advance(self.cfg, self.plan, self.level, self.params, self.inputs, limit,
-                                          self.pause_E, self.state, np.int32(self.steps + self.steps_per_call))
+            self.state, status = _advance(self.cfg, self.plan, self.level, self.steps_per_call, self.params,
+                                          self.inputs, self._limit, self.pause_E, self.state)
             self.calls += 1
             self._read(status)
-            shrinks = self.due and self.level + 1 < len(self.plan.stages)
-            if shrinks:
-                self.level += 1
-                self._note("shrink", self.level)
-                with warnings.catch_warnings():  # the slots' arrays change size: only the cache is reused in place
-                    warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-                    self.state = _shrink(self.cfg, self.plan, self.plan.stages[self.level], self.params,
-                                         self.inputs, limit, self.pause_E, self.state)
-        return self.steps - before + shrinks
+        return self.steps - before + (self.level != level)
 
     def newly_stopped(self) -> list[int]:
         """Rows that paused or stopped since the last call, each reported once (a released row again when it next
@@ -216,6 +310,7 @@ class PoolSession:
         """Row n stops where it is (done, not finished: truncated)."""
         self.limit_N[n] = max(1, int(self.lengths[n]))
         self.done[n] = True
+        self._limit = jnp.asarray(self.limit_N)
         self._edits.pop(n, None)
         self._released.discard(n)
 

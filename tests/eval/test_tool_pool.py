@@ -19,11 +19,11 @@ def test_tool_rows_in_the_pool_equal_rows_through_sampler_calls():
     params = model_lib.init_params(CFG, jax.random.key(0))
     key, G, C = jax.random.key(4), 3, 48
     plain = jax.device_get(sampler.generate(CFG, params, PROMPTS, C, eos_ids=(2,), seed=key, num_samples=G))
-    marker, share = bench_tools._marker(np.asarray(plain.tokens), np.asarray(plain.lengths), 2)
+    markers, share = bench_tools._markers(np.asarray(plain.tokens), np.asarray(plain.lengths), 2)
     assert 0.2 < share < 0.8
     fn = tool_loop.bind_sampler(CFG, params, dict(max_new_tokens=C, temperature=1.0), key,
                                 min_rows=len(PROMPTS) * G + 1)
-    fmt = bench_tools._MarkerFormat(marker)  # every draw of the marker is a call; its output 4 observed tokens
+    fmt = bench_tools._MarkerFormat(markers)  # every draw of a marker is a call; its output 4 observed tokens
     with ToolPool({"sleep": bench_tools._SleepTool(0.02)}, num_workers=4) as pool:
         run = lambda **kw: tool_loop.generate_with_tools(fn, PROMPTS, G, fmt, pool, tool_loop.ToolSettings(
             max_turns=2, **kw), C, key)

@@ -46,19 +46,24 @@ def test_session_without_pauses_equals_generate(params, slots):
         np.testing.assert_array_equal(getattr(got, f), np.asarray(getattr(ref, f)), err_msg=f)
 
 
-def test_a_paused_row_keeps_its_cache_and_draws_as_if_never_paused(params):
-    """Rows pause at PAUSE and are released one, two or three calls later (others decode meanwhile): every token
-    and log-prob equals generate's."""
+@pytest.mark.parametrize("hold", [1, 6])
+def test_a_paused_row_keeps_its_cache_and_draws_as_if_never_paused(params, hold):
+    """Rows pause at PAUSE and are released `hold` to hold + 2 calls later (others decode meanwhile): every token
+    and log-prob equals generate's. Held longer, paused rows wait past the width the calls compute (moved there with
+    their cache rows), and come back into it (the pool widening again) when released."""
     key = jax.random.key(5)
     ref = jax.device_get(sampler.generate(CFG, params, PROMPTS, 48, seed=key, **KW))
     assert np.sum(np.asarray(ref.tokens) == PAUSE) >= 3  # the case pauses rows
-    held = {}
+    held, parked, widened = {}, 0, 0
     s = PoolSession(CFG, params, PROMPTS, 48, pause_ids=(PAUSE,), steps_per_call=2, seed=key, **KW)
     while True:
+        width = s.plan.stages[s.level]
         ran = s.advance()
+        parked += int(np.sum(~s.done & (s.group >= 0))) > s.plan.stages[s.level]  # more rows than slots computed
+        widened += s.plan.stages[s.level] > width
         for n in s.newly_stopped():
             if s.paused[n] and not s.done[n]:
-                held[n] = 1 + n % 3
+                held[n] = hold + n % 3
         for n in list(held):
             held[n] -= 1
             if not held[n]:
@@ -70,6 +75,8 @@ def test_a_paused_row_keeps_its_cache_and_draws_as_if_never_paused(params):
     np.testing.assert_array_equal(got.tokens, np.asarray(ref.tokens))
     np.testing.assert_array_equal(got.logprobs, np.asarray(ref.logprobs))
     np.testing.assert_array_equal(got.lengths, np.asarray(ref.lengths))
+    if hold > 1:
+        assert parked >= 3 and widened >= 1, (parked, widened)
 
 
 def test_appended_tokens_are_fed_and_the_row_goes_on_as_generates_resume(params):
