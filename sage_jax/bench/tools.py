@@ -88,7 +88,8 @@ def main(argv: list[str]) -> list[dict]:
     p.add_argument("--workers", type=int, default=16, help="tool calls at once")
     p.add_argument("--return-share", type=float, default=1.0, help="tools_calls: a sampler call returns once "
                    "this share of its groups is complete (1: when every row has stopped)")
-    p.add_argument("--steps-per-call", type=int, default=8, help="tools: decode steps between two looks at the rows")
+    p.add_argument("--steps-per-call", default="16", help="tools: decode steps between two looks at the rows (several, "
+                   "comma-separated: one in-pool arm each, e.g. 4,8,16)")
     args = p.parse_args(argv[1:])
     cfg = model_lib.ModelConfig(vocab_size=512, hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
                                 head_dim=32, intermediate_size=512, rope_theta=10000.0, max_position_embeddings=1024)
@@ -112,7 +113,9 @@ def main(argv: list[str]) -> list[dict]:
         return PoolSession(cfg, params, prompts_, C, temperature=1.0, eos_ids=(eos,), seed=key,
                            num_samples=num_samples, pause_ids=pause_ids, steps_per_call=steps_per_call)
     generate_fn.session = session
-    settings = {"tools": tool_rollouts.ToolSettings(max_turns=1, steps_per_call=args.steps_per_call),
+    ks = [int(k) for k in str(args.steps_per_call).split(",")]
+    settings = {**{"tools" if len(ks) == 1 else f"tools_k{k}":
+                   tool_rollouts.ToolSettings(max_turns=1, steps_per_call=k) for k in ks},
                 "tools_calls": tool_rollouts.ToolSettings(max_turns=1, return_share=args.return_share, in_pool=False)}
     arms = ("plain", *settings)
     with ToolPool({"sleep": _SleepTool(args.tool_ms / 1000)}, num_workers=args.workers) as pool:
@@ -139,9 +142,11 @@ def main(argv: list[str]) -> list[dict]:
             for arm in arms]
     for r in rows[1:]:
         st = stats[r["arm"]]
-        r.update(calls_per_row=st["tools/calls_per_row"], marker_share=share, markers=len(markers), sampler_calls=st["tools/sampler_calls"],
-                 ratio=r["tokens_per_s"] / rows[0]["tokens_per_s"])
-    rows[1]["steps_per_call"], rows[2]["return_share"] = args.steps_per_call, args.return_share
+        r.update(calls_per_row=st["tools/calls_per_row"], marker_share=share, markers=len(markers),
+                 sampler_calls=st["tools/sampler_calls"], ratio=r["tokens_per_s"] / rows[0]["tokens_per_s"])
+    for r, k in zip(rows[1:], ks):
+        r["steps_per_call"] = k
+    rows[-1]["return_share"] = args.return_share
     for r in rows:
         print(" ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
     return rows

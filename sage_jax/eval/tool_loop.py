@@ -56,7 +56,7 @@ class ToolSettings:
     max_tool_tokens: int = 512  # a tool's output is cut to this many tokens (head and tail kept)
     return_share: float = 1.0  # a call returns once this share of its groups is complete (rollout.tool_return_share)
     in_pool: bool = True  # rows pause in one pool kept on the device (sampling/session.py) where the sampler offers it
-    steps_per_call: int = 8  # in the pool: decode steps between two looks at the rows (paused, stopped, answered)
+    steps_per_call: int = 16  # in the pool: decode steps between two looks at the rows (paused, stopped, answered)
 
     def __post_init__(self):
         if self.max_turns < 1 or self.max_tool_tokens < 1 or not 0 < self.return_share <= 1 or \

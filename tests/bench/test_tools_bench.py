@@ -17,3 +17,13 @@ def test_markers_are_several_tokens_where_no_one_token_reaches_half():
     lengths = np.full(6, 2)
     markers, share = tools._markers(tokens, lengths, eos=2)
     assert share == 0.5 and markers == (11, 12, 13)
+
+
+def test_tools_bench_runs_its_arms_in_one_process():
+    """A small run: the tool-free arm, an in-pool arm per steps-per-call, the call path; every ratio > 0."""
+    rows = tools.main(["tools", "--batch", "8", "--group", "2", "--new-tokens", "24", "--tool-ms", "5", "--repeats",
+                       "1", "--steps-per-call", "4,8"])
+    assert [r["arm"] for r in rows] == ["plain", "tools_k4", "tools_k8", "tools_calls"]
+    assert [r.get("steps_per_call") for r in rows] == [None, 4, 8, None]
+    assert all(r["ratio"] > 0 and r["calls_per_row"] > 0 for r in rows[1:])
+    assert rows[1]["sampled_tokens"] == rows[2]["sampled_tokens"] == rows[3]["sampled_tokens"]  # the same rows
