@@ -13,18 +13,19 @@ evaluation (`python -m sage_jax.evaluate --tools ...`, eval/tool_eval.py).
 with the model, params, sampling settings and seed `key` bound (bind_sampler). The call-end tokens (`</tool_call>`,
 or every token whose text ends with ```) stop a row at its call.
 
-In the pool (bind_sampler's generate_fn.session, one process: _in_pool): the rows decode in one pool kept on the
+In the pool (bind_sampler's generate_fn.session: _in_pool): the rows decode in one pool kept on the
 device (sampling/session.py), the call-end tokens are its pause ids, and every ToolSettings.steps_per_call decode
 steps the loop looks at the rows: a row that paused submits its call (and keeps its slot and cache), a call that
 answered has its output appended to its row, which goes on in its slot (the output fed one token per step, never
 drawn), so nothing is prefilled again and the pool decodes while tools run; a fence that opens a block is released
-at once. Through sampler calls (a scripted generate_fn, several processes, or in_pool=False): the call-end tokens are
+at once. Through sampler calls (a scripted generate_fn, or in_pool=False): the call-end tokens are
 stop tokens of every call, so a row that writes one leaves the pool (done); a fence that opens a block is a false
 stop, drawn past in a call without those stops. Calls return once a share of their groups is complete
 (stop_after_groups); the rows still running come back in the next call beside the rows whose tools have answered,
 and only when no row is left to decode does the loop wait for a tool. On several processes (a multi-host slice)
-every process runs this loop over the same sampler calls; process 0 alone runs the tools and broadcasts which calls
-have answered and their outputs (_Answers), so the processes never diverge on the tools' timing.
+every process runs this loop over the same pool calls (or sampler calls); process 0 alone runs the tools and
+broadcasts which calls have answered and their outputs (_Answers), so the processes never diverge on the tools'
+timing.
 
 A row is token in, token out (data/segments.py): sampled segments keep the ids and behaviour log-probs the sampler
 returned; observed segments (tool output, in the template's tool turn or the plain ```output wrapper) are
@@ -280,7 +281,7 @@ def generate_with_tools(generate_fn: Callable, prompts: Sequence[Sequence[int]],
     rows = [_Row(b, prompts[b], b * G + g, max_new_tokens) for b in range(len(prompts)) for g in range(G)]
     t0, waited, calls, answers = time.perf_counter(), 0.0, 1, _Answers(pool)
     start_session = getattr(generate_fn, "session", None)
-    if start_session is not None and settings.in_pool and not answers.shared:
+    if start_session is not None and settings.in_pool:
         session = start_session(prompts, G, fmt.end_ids, settings.steps_per_call)
         waited = _in_pool(session, rows, fmt, answers, settings)
         return _arrays(rows, max_new_tokens, waited, time.perf_counter() - t0, session.calls)

@@ -178,6 +178,14 @@ def _edit(out, ids_NxF, count_N, release_N):
     return out
 
 
+def _on_device(tree):
+    """Host arrays the calls read, put on the device once (one process); on several processes each call passes them
+    (the same on every process) and the program places them."""
+    if jax.process_count() > 1:
+        return tree
+    return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), tree)
+
+
 class PoolSession:
     """One pool of rows decoded across calls, with pauses (module docstring). The keyword arguments are
     sampler.generate's (no resume, stop_after_groups or min_rows: a session's rows are all fresh and run to their
@@ -202,14 +210,14 @@ class PoolSession:
             self.params = jax.jit(model_lib.unstack_layers, static_argnums=0)(cfg, self.params)
         self.cfg, self.plan = cfg, dataclasses.replace(plan, stages=widths, pausing=True, unstack_layers=False)
         self.call, self.max_new_tokens, self.steps_per_call = call, max_new_tokens, steps_per_call
-        self.pause_E, self.limit_N = jnp.asarray(sampler.id_array(pause_ids)), np.array(call.rows.limit_N)
+        self.pause_E, self.limit_N = _on_device(sampler.id_array(pause_ids)), np.array(call.rows.limit_N)
         self.level, self.calls, self.groups = 0, 0, dp
         self._note("start")
         with self._mesh():
             self.state, status = _start(cfg, self.plan, self.params, call.inputs, self.pause_E)
             # what each call reads besides the state (on the device once): the prompt mask, the rows, the scalars
-            self.inputs = jax.device_put((call.inputs[1], call.inputs[5], *call.inputs[6:]))
-        self._limit = jnp.asarray(self.limit_N)
+            self.inputs = _on_device((call.inputs[1], call.inputs[5], *call.inputs[6:]))
+        self._limit = _on_device(self.limit_N)
         self.seen = np.zeros(len(self.limit_N), bool)  # rows whose stop (or pause) newly_stopped has reported
         self._edits: dict[int, list[int]] = {}
         self._released: set[int] = set()
@@ -310,7 +318,7 @@ class PoolSession:
         """Row n stops where it is (done, not finished: truncated)."""
         self.limit_N[n] = max(1, int(self.lengths[n]))
         self.done[n] = True
-        self._limit = jnp.asarray(self.limit_N)
+        self._limit = _on_device(self.limit_N)
         self._edits.pop(n, None)
         self._released.discard(n)
 

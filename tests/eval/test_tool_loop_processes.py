@@ -28,3 +28,25 @@ def test_two_processes_decode_the_same_rows_and_only_process_0_runs_tools():
     assert lead["calls_per_row"] == other["calls_per_row"] == 2.0
     assert (lead["tool_calls_run"], other["tool_calls_run"], one["tool_calls_run"]) == (16, 0, 16)
     assert json.dumps(lead["tokens"]).count("50, 51, 52, 53") == 16  # every call's output observed in its row
+
+
+def test_two_processes_pause_rows_in_one_pool_over_both_and_only_process_0_runs_tools():
+    """The in-pool path (a session on a mesh over both processes' devices): both processes make the same pool calls
+    and end with the rows one process with the same two devices makes."""
+    pool_worker = f"{ROOT}/tests/eval/tool_pool_worker.py"
+    single = subprocess.run([sys.executable, pool_worker], cwd=ROOT, env=_env(2), capture_output=True, text=True,
+                            timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    coordinator = f"127.0.0.1:{_free_port()}"
+    procs = [subprocess.Popen([sys.executable, pool_worker, coordinator, "2", str(i)], cwd=ROOT, env=_env(1),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    one, lead, other = _digest(single.stdout), _digest(outs[0][0]), _digest(outs[1][0])
+    assert (lead["processes"], other["processes"], lead["process"], other["process"]) == (2, 2, 0, 1)
+    assert lead["tokens"] == other["tokens"] == one["tokens"] and lead["mask"] == other["mask"] == one["mask"]
+    assert lead["calls_per_row"] == other["calls_per_row"] == one["calls_per_row"] > 0.2
+    assert lead["tool_calls_run"] == one["tool_calls_run"] > 0 and other["tool_calls_run"] == 0
+    # the same calls of the pool on both processes (calls of 3 steps: the in-pool path, not a few sampler calls)
+    assert lead["pool_calls"] == other["pool_calls"] >= 48 // 3
