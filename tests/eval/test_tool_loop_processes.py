@@ -8,21 +8,29 @@ import sys
 
 from tests.training.test_multihost import ROOT, _digest, _env, _free_port
 
-WORKER = f"{ROOT}/tests/eval/tool_loop_worker.py"
+WORKERS = f"{ROOT}/tests/eval"
 
 
-def test_two_processes_decode_the_same_rows_and_only_process_0_runs_tools():
-    single = subprocess.run([sys.executable, WORKER], cwd=ROOT, env=_env(1), capture_output=True, text=True,
-                            timeout=300)
+def _one_and_two_processes(worker: str, single_devices: int) -> tuple[dict, dict, dict]:
+    """The worker's digest from one process (with single_devices CPU devices), and from each of two processes (one
+    device each) -> (one, process 0, process 1)."""
+    worker = f"{WORKERS}/{worker}"
+    single = subprocess.run([sys.executable, worker], cwd=ROOT, env=_env(single_devices), capture_output=True,
+                            text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-3000:]
     coordinator = f"127.0.0.1:{_free_port()}"
-    procs = [subprocess.Popen([sys.executable, WORKER, coordinator, "2", str(i)], cwd=ROOT, env=_env(1),
+    procs = [subprocess.Popen([sys.executable, worker, coordinator, "2", str(i)], cwd=ROOT, env=_env(1),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     one, lead, other = _digest(single.stdout), _digest(outs[0][0]), _digest(outs[1][0])
     assert (lead["processes"], other["processes"], lead["process"], other["process"]) == (2, 2, 0, 1)
+    return one, lead, other
+
+
+def test_two_processes_decode_the_same_rows_and_only_process_0_runs_tools():
+    one, lead, other = _one_and_two_processes("tool_loop_worker.py", 1)
     assert lead["carried"] == other["carried"] and len(lead["carried"]) >= 2  # the same calls, the same rows
     assert lead["tokens"] == other["tokens"] == one["tokens"] and lead["mask"] == other["mask"] == one["mask"]
     assert lead["calls_per_row"] == other["calls_per_row"] == 2.0
@@ -33,18 +41,7 @@ def test_two_processes_decode_the_same_rows_and_only_process_0_runs_tools():
 def test_two_processes_pause_rows_in_one_pool_over_both_and_only_process_0_runs_tools():
     """The in-pool path (a session on a mesh over both processes' devices): both processes make the same pool calls
     and end with the rows one process with the same two devices makes."""
-    pool_worker = f"{ROOT}/tests/eval/tool_pool_worker.py"
-    single = subprocess.run([sys.executable, pool_worker], cwd=ROOT, env=_env(2), capture_output=True, text=True,
-                            timeout=300)
-    assert single.returncode == 0, single.stderr[-3000:]
-    coordinator = f"127.0.0.1:{_free_port()}"
-    procs = [subprocess.Popen([sys.executable, pool_worker, coordinator, "2", str(i)], cwd=ROOT, env=_env(1),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    one, lead, other = _digest(single.stdout), _digest(outs[0][0]), _digest(outs[1][0])
-    assert (lead["processes"], other["processes"], lead["process"], other["process"]) == (2, 2, 0, 1)
+    one, lead, other = _one_and_two_processes("tool_pool_worker.py", 2)
     assert lead["tokens"] == other["tokens"] == one["tokens"] and lead["mask"] == other["mask"] == one["mask"]
     assert lead["calls_per_row"] == other["calls_per_row"] == one["calls_per_row"] > 0.2
     assert lead["tool_calls_run"] == one["tool_calls_run"] > 0 and other["tool_calls_run"] == 0

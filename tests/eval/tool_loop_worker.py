@@ -7,10 +7,7 @@ Run as: python tests/eval/tool_loop_worker.py [COORDINATOR NUM_PROCESSES PROCESS
 
 import json
 import os
-import random
 import sys
-import threading
-import time
 
 if len(sys.argv) > 1:
     os.environ.update(SAGE_COORDINATOR=sys.argv[1], SAGE_NUM_PROCESSES=sys.argv[2], SAGE_PROCESS_ID=sys.argv[3])
@@ -19,25 +16,9 @@ import jax  # noqa: E402
 
 from sage_jax.eval import tool_loop  # noqa: E402
 from sage_jax.models import sharding  # noqa: E402
-from sage_jax.tools.base import ToolOutput, ToolPool  # noqa: E402
+from sage_jax.tools.base import ToolPool  # noqa: E402
+from tests.eval.jitter_tool import JitterTool  # noqa: E402
 from tests.training.test_tool_rollouts import EOS, ScriptedGenerate, StubFormat  # noqa: E402
-
-
-class JitterTool:
-    """Answers "ok" after a random wait: which calls have answered at a given moment differs run to run."""
-    name, schema = "slow", {}
-
-    def __init__(self):
-        self.calls, self.lock = 0, threading.Lock()
-
-    def parse(self, arguments):
-        return arguments
-
-    def execute(self, payload):
-        time.sleep(random.uniform(0.0, 0.2))
-        with self.lock:
-            self.calls += 1
-        return ToolOutput(f"ok {payload['n']}", seconds=0.1)
 
 
 sharding.initialize_distributed()
@@ -51,7 +32,7 @@ def generate_fn(prompts, G, resume, stop, limits, extra_eos):
     return gen(prompts, G, resume, stop, limits, extra_eos)
 
 
-tool = JitterTool()
+tool = JitterTool("slow", 0.2)
 with ToolPool({"slow": tool}, num_workers=3) as pool:
     ro = tool_loop.generate_with_tools(generate_fn, [[1, 2], [1, 4]], 4, StubFormat(), pool,
                                        tool_loop.ToolSettings(), 64, 0)

@@ -7,10 +7,7 @@ Run as: python tests/eval/tool_pool_worker.py [COORDINATOR NUM_PROCESSES PROCESS
 
 import json
 import os
-import random
 import sys
-import threading
-import time
 
 if len(sys.argv) > 1:
     os.environ.update(SAGE_COORDINATOR=sys.argv[1], SAGE_NUM_PROCESSES=sys.argv[2], SAGE_PROCESS_ID=sys.argv[3])
@@ -22,25 +19,9 @@ from sage_jax.bench import tools as bench_tools  # noqa: E402
 from sage_jax.eval import tool_loop  # noqa: E402
 from sage_jax.models import decoder as model_lib, sharding  # noqa: E402
 from sage_jax.sampling import sampler  # noqa: E402
-from sage_jax.tools.base import ToolOutput, ToolPool  # noqa: E402
+from sage_jax.tools.base import ToolPool  # noqa: E402
+from tests.eval.jitter_tool import JitterTool  # noqa: E402
 from tests.eval.test_tool_pool import CFG, PROMPTS  # noqa: E402
-
-
-class JitterTool:
-    """Answers after a random wait: which calls have answered at a given moment differs run to run."""
-    name, schema = "sleep", {}
-
-    def __init__(self):
-        self.calls, self.lock = 0, threading.Lock()
-
-    def parse(self, arguments):
-        return arguments
-
-    def execute(self, payload):
-        time.sleep(random.uniform(0.0, 0.1))
-        with self.lock:
-            self.calls += 1
-        return ToolOutput("ok", seconds=0.05)
 
 
 sharding.initialize_distributed()
@@ -50,7 +31,7 @@ key, G, C = jax.random.key(4), 3, 48
 plain = sharding.to_host(sampler.generate(CFG, params, PROMPTS, C, eos_ids=(2,), seed=key, num_samples=G))
 markers, _ = bench_tools._markers(np.asarray(plain.tokens), np.asarray(plain.lengths), 2)
 fn = tool_loop.bind_sampler(CFG, params, dict(max_new_tokens=C, temperature=1.0), key, min_rows=len(PROMPTS) * G + 1)
-tool = JitterTool()
+tool = JitterTool("sleep", 0.1)
 with ToolPool({"sleep": tool}, num_workers=3) as pool:
     ro = tool_loop.generate_with_tools(fn, PROMPTS, G, bench_tools._MarkerFormat(markers), pool,
                                        tool_loop.ToolSettings(max_turns=2, steps_per_call=3), C, key)
