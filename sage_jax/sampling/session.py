@@ -123,6 +123,8 @@ def _swap(pool, a_GxM, b_GxM, count_G, groups: int):
     m = pool.row_S.shape[0] // groups
     ok_GxM = jnp.arange(m)[None, :] < count_G[:, None]
     g_Gx1 = jnp.arange(groups)[:, None]
+    # past a group's count, slot 0 (on itself in the cache; dropped in the slot arrays)
+    a_GxM, b_GxM = (jnp.where(ok_GxM, x, 0) for x in (a_GxM, b_GxM))
 
     def slots(x_S):
         x_Gxm = x_S.reshape(groups, m)
@@ -131,8 +133,7 @@ def _swap(pool, a_GxM, b_GxM, count_G, groups: int):
         return x_Gxm.at[g_Gx1, jnp.where(ok_GxM, a_GxM, m)].set(b, mode="drop").reshape(x_S.shape)
 
     # Swap k's two rows are read in iteration k and written in iteration k + 1 (a row read and written in one
-    # iteration made XLA:CPU copy the whole cache to keep the read's source); past a group's count, slot 0 on itself.
-    a_GxM, b_GxM = (jnp.where(ok_GxM, x, 0) for x in (a_GxM, b_GxM))
+    # iteration made XLA:CPU copy the whole cache to keep the read's source).
 
     def read(c, k):
         one = lambda c1, i: jax.lax.dynamic_index_in_dim(c1, i, 0)
