@@ -60,13 +60,19 @@ def matmul(equation: str, x: jax.Array, w: jax.Array, **kw) -> jax.Array:
     return y.reshape(*lead_shape, *outer_shape)
 
 
-def _project(lp: Params, name: str, equation: str, x: jax.Array, cdt) -> jax.Array:
+def _project(lp: Params, name: str, equation: str, x: jax.Array, cdt, head_dim: int = 0) -> jax.Array:
     """x times weight `name` (an einsum "in,weight->out"), plus the low-rank x A B when lp carries a LoRA adapter.
 
     Adapters come from lora.apply: lp["lora"][name] = {"a": [in..., r], "b": [r, out...]} with the alpha / rank
     scale already in b, and optionally a dropout key and keep probability. The merged weight is never formed.
+    An attention weight of decode_params' copy is 2-D (heads and head dim merged; head_dim splits its output).
     """
-    y = matmul(equation, x, lp[name].astype(cdt))
+    w = lp[name]
+    if w.ndim == 2 and name in FLAT_WEIGHTS:
+        y = matmul("btf,fd->btd", x.reshape(*x.shape[:2], -1), w.astype(cdt)) if name == "wo" else \
+            matmul("btd,df->btf", x, w.astype(cdt)).reshape(*x.shape[:2], -1, head_dim)
+    else:
+        y = matmul(equation, x, w.astype(cdt))
     adapter = lp.get("lora", {}).get(name)
     if adapter is None:
         return y
@@ -86,9 +92,9 @@ def _block(cfg: ModelConfig, lp: Params, x_BxTxD, positions_BxT, allowed_BxTxS, 
     cdt = jnp.dtype(cfg.compute_dtype)
     w = lambda name: lp[name].astype(cdt)
     h = rms_norm(x_BxTxD, lp["attn_norm"], cfg.rms_norm_eps)
-    q = _project(lp, "wq", "btd,dnh->btnh", h, cdt)
-    k = _project(lp, "wk", "btd,dkh->btkh", h, cdt)
-    v = _project(lp, "wv", "btd,dkh->btkh", h, cdt)
+    q = _project(lp, "wq", "btd,dnh->btnh", h, cdt, cfg.head_dim)
+    k = _project(lp, "wk", "btd,dkh->btkh", h, cdt, cfg.head_dim)
+    v = _project(lp, "wv", "btd,dkh->btkh", h, cdt, cfg.head_dim)
     if cfg.qkv_bias:
         q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
     if cfg.qk_norm:
@@ -163,14 +169,60 @@ def hidden(cfg: ModelConfig, params: Params, tokens_BxT: jax.Array, positions_Bx
 
 
 def unembed_matrix(cfg: ModelConfig, params: Params) -> jax.Array:
-    """[D, V] in the compute dtype."""
-    w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    """[D, V] in the compute dtype (decode_params' copy where it made one)."""
+    w = params.get("decode_head")
+    if w is None:
+        w = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
     return w.astype(jnp.dtype(cfg.compute_dtype))
 
 
 def logits_from_hidden(cfg: ModelConfig, params: Params, h_BxTxD: jax.Array) -> jax.Array:
     logits = matmul("btd,dv->btv", h_BxTxD, unembed_matrix(cfg, params), preferred_element_type=jnp.float32)
+    if "decode_head" in params:  # every row's logits of the local vocabulary split first (decode_params)
+        logits = constrain(logits, ("batch", "seq", "decode_vocab"))
     return constrain(logits, ("decode_rows", "seq", "vocab"))
+
+
+MLP_WEIGHTS = ("w_gate", "w_up", "w_down")
+FLAT_WEIGHTS = ("wq", "wk", "wv", "wo")  # [L, D, N, H] ([L, N, H, D]): decode_params' copies are [L, D, N * H]
+
+
+def _merge_heads(w: jax.Array, name: str) -> jax.Array:
+    return w.reshape(*w.shape[:-3], -1, w.shape[-1]) if name == "wo" else w.reshape(*w.shape[:-2], -1)
+
+
+def decode_step_rules(cfg: ModelConfig, stationary_weights: bool) -> dict:
+    """The sharding rules a decode step runs under (sharding.decode_rules with cfg's dims; DecodeForms says
+    whether the weights stay where they lie), and decode_params lays its weights out by."""
+    from sage_jax.models import sharding
+    return sharding.decode_rules(stationary_weights, dims={"mlp": cfg.intermediate_size, "vocab": cfg.vocab_size})
+
+
+def decode_params(cfg: ModelConfig, params: Params, rules) -> Params:
+    """params for decode steps under `rules` (sharding.decode_rules with cfg's dims): where the rules name
+    "decode_mlp" ("decode_vocab") axes, a copy of the MLP weights (of the unembedding, as "decode_head") with the
+    embed dim whole and the hidden (vocabulary) dim split over those axes. Each chip still holds 1 / n of them, but a
+    step then gathers its rows' [rows, D] input to the MLP once and reduces one [rows, D] output, where with the
+    embed dim split it reduced the partial sums of the whole [rows, F / tensor] hidden (twice) and, at the head,
+    float32 partial logits of the whole [rows, V / tensor]. With the MLP copy, the attention weights are copied as
+    they lie with their heads and head dim merged (FLAT_WEIGHTS): XLA:TPU relaid a [D, 7, 128] query weight (7 heads
+    per chip) for its matmul in every layer of every step. The copies are made once per sampler call; prefill keeps
+    the weights as they are. params itself where the rules name neither (qwen7b_branch, 32 v5p chips, 256 rows:
+    1.48x -> 1.26x the ideal bytes per step; docs/PERFORMANCE.md)."""
+    from sage_jax.models import sharding
+    out = dict(params)
+    if "decode_mlp" in rules and isinstance(params["layers"], dict):
+        layers, axes = params["layers"], param_axes(cfg)["layers"]
+        with sharding.use_rules(dict(rules, embed=None, mlp=rules["decode_mlp"])):
+            mlp = {n: constrain(layers[n], axes[n]) for n in MLP_WEIGHTS}
+        with sharding.use_rules(rules):  # the attention weights stay where they lie, their heads and head dim merged
+            flat = {n: constrain(jax.lax.optimization_barrier(_merge_heads(layers[n], n)),
+                                 tuple(a for a in axes[n] if a != "head_dim")) for n in FLAT_WEIGHTS}
+        out["layers"] = {**layers, **mlp, **flat}
+    if "decode_vocab" in rules:
+        with sharding.use_rules(dict(rules, embed=None, vocab=rules["decode_vocab"])):
+            out["decode_head"] = constrain(unembed_matrix(cfg, params), ("embed", "vocab"))
+    return out if len(out) > len(params) or out["layers"] is not params["layers"] else params
 
 
 @functools.partial(jax.jit, static_argnums=0)

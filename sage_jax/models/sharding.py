@@ -189,7 +189,8 @@ def _mesh_axes(target) -> tuple[str, ...]:
     return () if target is None else (target,) if isinstance(target, str) else tuple(target)
 
 
-def decode_rules(stationary_weights: bool = True, rules: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def decode_rules(stationary_weights: bool = True, rules: Mapping[str, Any] | None = None,
+                 dims: Mapping[str, int] | None = None) -> dict[str, Any]:
     """The rules one decode step (a token per row) runs under: `rules` (default the current ones) as they are, or
     with stationary_weights (DecodeForms on TPU and GPU) the weights stay where they lie.
 
@@ -198,7 +199,14 @@ def decode_rules(stationary_weights: bool = True, rules: Mapping[str, Any] | Non
     every weight of every layer every step (qwen7b_branch on 32 v5p chips: 11.33x the ideal bytes at 64 rows). Here
     the token activations split their embed dim over the weights' embed axes instead ("act_embed" -> "embed"'s
     axes, rows off those axes), so each matmul runs on the local weight shard and reduces a few KB of partial sums per
-    row; the cache, attention, logits and sampling keep the rows split as before ("decode_rows")."""
+    row; the cache, attention, logits and sampling keep the rows split as before ("decode_rows").
+
+    dims (logical name -> size: "mlp", "vocab") with a mesh set: where the MLP's hidden dim (the unembedding's
+    vocabulary) divides over its own axes and the embed axes together, "decode_mlp" ("decode_vocab") names those
+    axes: the decode step's copy of those weights (decoder.decode_params) splits that dim over them and keeps the
+    embed dim whole, and so do their activations ("mlp" here, and the logits before they take the rows' layout).
+    With the embed dim split instead, every row's partial sums of the whole [rows, F / tensor] hidden were reduced
+    across the embed axes in every layer."""
     rules = dict(current_rules() if rules is None else rules)
     if not stationary_weights:
         return rules
@@ -206,6 +214,16 @@ def decode_rules(stationary_weights: bool = True, rules: Mapping[str, Any] | Non
     rules.setdefault("decode_rows", rules.get("batch"))
     rules["batch"] = tuple(a for a in batch if a not in embed) or None
     rules["act_embed"] = rules.get("embed")
+    mesh = _current_mesh()
+    split = tuple(a for a in embed if mesh is not None and mesh.shape[a] > 1)  # embed axes that split something
+    for name, wide in (("mlp", "decode_mlp"), ("vocab", "decode_vocab")):
+        own = _mesh_axes(rules.get(name))
+        axes = own + tuple(a for a in split if a not in own)
+        if dims and name in dims and mesh is not None and axes != own and \
+                dims[name] % math.prod(mesh.shape[a] for a in axes) == 0:
+            rules[wide] = axes
+    if "decode_mlp" in rules:
+        rules["mlp"] = rules["decode_mlp"]  # the MLP's hidden activations, split like its weights' decode copies
     return rules
 
 

@@ -260,7 +260,7 @@ def _step(ctx: _Ctx, pool: _Pool, out: _Out) -> tuple[_Pool, _Out]:
     # The weights pass a barrier with the step count, so XLA cannot hoist their all-gathers (and XLA:CPU its
     # float32 copies of 16-bit weights) out of the loop: that held the whole model gathered beside the cache.
     params, _ = jax.lax.optimization_barrier((ctx.params, pool.steps))
-    with sharding_lib.use_rules(sharding_lib.decode_rules(ctx.forms.stationary_weights)):  # TPU/GPU: weights stay
+    with sharding_lib.use_rules(model_lib.decode_step_rules(ctx.cfg, ctx.forms.stationary_weights)):
         h_Wx1xD, cache = model_lib.forward_with_cache(ctx.cfg, params, pool.last_S[:, None], positions_Wx1,
                                                       pool.cache, index_W, kv_mask_WxT, return_hidden=True,
                                                       cache_groups=ctx.groups, forms=ctx.forms)
@@ -344,9 +344,11 @@ def make_ctx(cfg: ModelConfig, plan: SamplerPlan, params: Params, prompt_mask_Bx
     sample = functools.partial(sample_tokens, greedy=plan.greedy, temperature=temperature, top_k=plan.top_k,
                                top_p=top_p if plan.use_top_p else None, min_p=min_p if plan.use_min_p else None)
     dp = plan.mesh.shape["data"] * plan.mesh.shape["fsdp"] if plan.mesh is not None else 1
+    forms = plan.forms or for_platform(jax.default_backend())
+    params = model_lib.decode_params(cfg, params, model_lib.decode_step_rules(cfg, forms.stationary_weights))
     return _Ctx(cfg, params, sample, rows, mask_BxW[:, :mask_BxW.shape[1] - plan.carried],
                 jnp.sum(mask_BxW, axis=-1, dtype=jnp.int32), limit_N, limit_N > 0, pad_id, eos_E, plan.new_bucket, dp,
-                stop_groups if plan.stop_early else None, plan.forms or for_platform(jax.default_backend()),
+                stop_groups if plan.stop_early else None, forms,
                 pause_E if plan.pausing else None)
 
 

@@ -93,3 +93,55 @@ def test_decode_rules_keep_the_weights_where_they_lie():
     assert sharding.decode_rules(rules=flat)["batch"] == ("data", "fsdp")
     with sharding.use_rules(flat):
         assert sharding.decode_rules()["act_embed"] is None
+
+
+def test_decode_copies_split_the_mlp_and_vocabulary_over_the_embed_axes_too():
+    """With the model's dims and a mesh, decode_rules names "decode_mlp" / "decode_vocab" (their own axes, then the
+    embed axes) where the dim divides over both; decode_params copies the MLP weights and the unembedding with the
+    embed dim whole and that dim split so, and leaves everything else (and params on one device) as it was."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 (simulated) devices")
+    from sage_jax.models import decoder
+    cfg = decoder.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                              intermediate_size=64, rope_theta=10000.0)
+    mesh = sharding.make_mesh((2, 2, 2))
+    with jax.set_mesh(mesh):
+        rules = decoder.decode_step_rules(cfg, True)
+        assert rules["decode_mlp"] == rules["mlp"] == ("tensor", "fsdp")
+        assert rules["decode_vocab"] == ("tensor", "fsdp") and rules["vocab"] == "tensor"
+        odd = decoder.decode_step_rules(cfg.replace(intermediate_size=66, vocab_size=70), True)
+        assert "decode_mlp" not in odd and "decode_vocab" not in odd and odd["mlp"] == "tensor"
+        assert "decode_mlp" not in decoder.decode_step_rules(cfg, False)
+    assert "decode_mlp" not in decoder.decode_step_rules(cfg, True)  # no mesh: nothing to split
+    params = decoder.shard_params(decoder.init_params(cfg, jax.random.key(0)), mesh, cfg=cfg)
+
+    @jax.jit
+    def copies(p):
+        return decoder.decode_params(cfg, p, decoder.decode_step_rules(cfg, True))
+    with jax.set_mesh(mesh):
+        out = copies(params)
+    spec = lambda x: tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+    assert spec(out["layers"]["w_gate"]) == spec(out["layers"]["w_up"]) == (None, None, ("tensor", "fsdp"))
+    assert spec(out["layers"]["w_down"]) == (None, ("tensor", "fsdp"), None)
+    assert spec(out["decode_head"]) == (None, ("tensor", "fsdp"))
+    # the attention weights where they lie, heads and head dim merged: the same products
+    assert out["layers"]["wq"].shape == (2, 32, 32) and out["layers"]["wo"].shape == (2, 32, 32)
+    assert spec(out["layers"]["wq"]) == (None, "fsdp", "tensor")
+    assert spec(out["layers"]["wo"]) == (None, "tensor", "fsdp")
+    assert out["layers"]["wk"].shape == (2, 32, 16) and spec(out["layers"]["wk"]) == (None, "fsdp", "tensor")
+    np.testing.assert_array_equal(out["layers"]["wo"], params["layers"]["wo"].reshape(2, 32, 32))
+    flat, whole = ({n: p["layers"][n][0] for n in ("wq", "wk", "wo")} for p in (out, params))
+    x, heads = jax.random.normal(jax.random.key(1), (3, 1, 32)), jax.random.normal(jax.random.key(2), (3, 1, 4, 8))
+    for name, eq, arg in (("wq", "btd,dnh->btnh", x), ("wk", "btd,dkh->btkh", x), ("wo", "btnh,nhd->btd", heads)):
+        np.testing.assert_allclose(decoder._project(flat, name, eq, arg, jnp.float32, 8),
+                                   decoder._project(whole, name, eq, arg, jnp.float32), rtol=1e-5, atol=1e-6)
+    assert decoder.decode_params(cfg, params, sharding.decode_rules(True, sharding.DEFAULT_RULES)) is params
+
+
+def test_no_decode_copies_where_the_embed_axes_split_nothing():
+    from sage_jax.models import decoder
+    cfg = decoder.ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                              intermediate_size=64, rope_theta=10000.0)
+    with jax.set_mesh(sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])):
+        rules = decoder.decode_step_rules(cfg, True)
+    assert "decode_mlp" not in rules and "decode_vocab" not in rules and rules["mlp"] == "tensor"
