@@ -106,3 +106,20 @@ def test_an_fsdp_mesh_decodes_on_the_weights_where_they_lie():
                                    forms=dataclasses.replace(tpu, stationary_weights=on)) for on in (True, False)}
     assert lines[True].copies == 0, lines[True].copy_ops
     assert lines[True].step_bytes < 0.5 * lines[False].step_bytes, (lines[True], lines[False])
+
+
+@needs_libtpu
+def test_decode_copies_read_less_than_the_weights_where_they_lie(monkeypatch):
+    """Rows over fsdp on 4 chips: with decode_params' copies (the MLP and the head split over every axis, the
+    attention weights merged) a step reads less than with every weight where it lies (the MLP's partial sums of
+    every row's whole hidden reduced across the chips in each layer, the head's float32 partial logits)."""
+    from sage_jax.models import decoder, sharding
+    from sage_jax.sampling import sampler
+    cfg, config, mesh, rules, shapes, chips = _tpu_small(2, "2x2")
+    with_copies = plan_decode.check(cfg, config, mesh, rules, shapes, 64, "v5e", chips)
+    monkeypatch.setattr(decoder, "decode_step_rules", lambda cfg, on: sharding.decode_rules(on))
+    sampler.generate_program.clear_cache()  # traced with the copies above
+    without = plan_decode.check(cfg, config, mesh, rules, shapes, 64, "v5e", chips)
+    sampler.generate_program.clear_cache()
+    assert with_copies.copies == without.copies == 0, with_copies.copy_ops
+    assert with_copies.step_bytes < 0.95 * without.step_bytes, (with_copies, without)
